@@ -1,0 +1,53 @@
+"""Rewards: callables ``(prompt, completion, example) -> float``, a registry, and a process-pool scorer.
+
+Built-in rewards (registered names, imported lazily): ``math_verify`` (math-verify answer verification),
+``gsm8k`` (last ``####`` number, exact), ``reasoning_gym`` (the task's own scorer), ``format`` (answer tags),
+``dapo_overlong`` (DAPO's soft overlong penalty). :class:`RewardScorer` runs a weighted sum of them in worker
+processes with a per-call timeout and returns per-reward metrics.
+
+This package imports neither ``feynrl_jax.losses`` nor ``ray`` nor ``torch``.
+"""
+
+from feynrl_jax.rollout.rewards.answer_extraction import (
+    after_last_gsm8k_marker,
+    last_boxed_content,
+    last_nonempty_line,
+    last_number,
+    last_tag_content,
+    parse_number,
+)
+from feynrl_jax.rollout.rewards.format_reward import FORMAT_PATTERNS, format_reward
+from feynrl_jax.rollout.rewards.gsm8k import gsm8k_reward
+from feynrl_jax.rollout.rewards.overlong_penalty import (
+    COMPLETION_LENGTH_KEY,
+    dapo_overlong_penalty,
+    dapo_overlong_reward,
+)
+from feynrl_jax.rollout.rewards.process_pool import PoolResult, TimeoutProcessPool
+from feynrl_jax.rollout.rewards.registry import RewardFn, available_rewards, register_reward, resolve_reward
+from feynrl_jax.rollout.rewards.scorer import RewardScorer
+from feynrl_jax.rollout.rewards.weighted_sum import WeightedSum, bind_reward
+
+__all__ = [
+    "COMPLETION_LENGTH_KEY",
+    "FORMAT_PATTERNS",
+    "PoolResult",
+    "RewardFn",
+    "RewardScorer",
+    "TimeoutProcessPool",
+    "WeightedSum",
+    "after_last_gsm8k_marker",
+    "available_rewards",
+    "bind_reward",
+    "dapo_overlong_penalty",
+    "dapo_overlong_reward",
+    "format_reward",
+    "gsm8k_reward",
+    "last_boxed_content",
+    "last_nonempty_line",
+    "last_number",
+    "last_tag_content",
+    "parse_number",
+    "register_reward",
+    "resolve_reward",
+]

@@ -1,0 +1,114 @@
+"""Math answer verification with math-verify (Hugging Face, https://github.com/huggingface/Math-Verify).
+
+The completion's final answer is located first (last ``<answer>`` block, else last ``\\boxed{}``, else text after
+the last GSM8K ``####`` marker, else the whole completion, where math-verify takes the last expression), parsed
+to SymPy by math-verify's LaTeX and plain-expression extractors, and compared with the parsed gold answer
+symbolically and numerically (``\\frac{1}{2}`` == ``0.5`` == ``1/2``, ``(1, 2)`` == ``(1,2)``).
+
+math-verify bounds its own parsing and comparison with ``signal.alarm``, which works only in the main thread of
+a process: this reward must run in a worker process (the :class:`~feynrl_jax.rollout.rewards.scorer.RewardScorer`
+pool does that), never in a thread. Its own timeouts return "not equal" silently; the pool's per-item timeout is
+the hard bound on top.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from feynrl_jax.rollout.rewards.answer_extraction import (
+    after_last_gsm8k_marker,
+    last_boxed_content,
+    last_nonempty_line,
+    last_tag_content,
+)
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+# \boxed{} first (priority 0), then the other LaTeX anchors, then plain expressions.
+_EXTRACTION = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
+
+
+def _parse(text: str, timeout_s: int) -> list:
+    """math-verify parse with our extractors; a bare string that yields nothing is retried as inline math."""
+    parsed = parse(text, _EXTRACTION, parsing_timeout=timeout_s)
+    if not parsed:
+        line = last_nonempty_line(text)
+        if line is not None and "$" not in line:
+            parsed = parse(f"${line}$", _EXTRACTION, parsing_timeout=timeout_s)
+    return parsed
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold_text: str, timeout_s: int) -> list:
+    """Parses a gold answer (cached: the n samples of one prompt share it)."""
+    marked = after_last_gsm8k_marker(gold_text)
+    if marked is not None:
+        gold_text = marked
+    if "$" not in gold_text and "\\boxed" not in gold_text:
+        # A bare gold answer ("\frac{1}{2}", "(1, 2)", "x^2+1") is math, not prose: parse it as inline LaTeX.
+        parsed = parse(f"${gold_text}$", _EXTRACTION, parsing_timeout=timeout_s)
+        if parsed:
+            return parsed
+    return _parse(gold_text, timeout_s)
+
+
+def extract_answer_text(completion: str, *, answer_tag: str = "answer") -> str:
+    """Returns the part of a completion that holds its final answer.
+
+    The content of the last ``<answer_tag>`` block, else the last ``\\boxed{...}`` (kept boxed), else the rest of
+    the line after the last ``####``, else the whole completion.
+    """
+    tagged = last_tag_content(completion, answer_tag)
+    if tagged is not None:
+        return tagged
+    boxed = last_boxed_content(completion)
+    if boxed is not None:
+        return f"\\boxed{{{boxed}}}"
+    marked = after_last_gsm8k_marker(completion)
+    if marked is not None:
+        return marked
+    return completion
+
+
+def math_verify_reward(
+    prompt: str,
+    completion: str,
+    example: dict[str, Any],
+    *,
+    answer_key: str = "answer",
+    answer_tag: str = "answer",
+    parsing_timeout_s: int = 3,
+    verify_timeout_s: int = 3,
+) -> float:
+    """Scores 1.0 when math-verify finds the completion's final answer equal to the gold answer, else 0.0.
+
+    Args:
+      prompt: unused.
+      completion: the generated text.
+      example: the data row; ``example[answer_key]`` is the gold answer (a bare expression, LaTeX, a
+        ``\\boxed{}`` solution or a GSM8K ``#### n`` solution).
+      answer_key: the field holding the gold answer.
+      answer_tag: the tag whose last block holds the final answer when present (``<answer>...</answer>``).
+      parsing_timeout_s: math-verify's own bound per parse, whole seconds (``signal.alarm``).
+      verify_timeout_s: math-verify's own bound per comparison, whole seconds.
+
+    Returns:
+      1.0 or 0.0.
+
+    Raises:
+      KeyError: when the example has no ``answer_key`` field.
+      ValueError: when the gold answer cannot be parsed (naming the key).
+    """
+    del prompt
+    if answer_key not in example:
+        raise KeyError(f"example has no gold answer field {answer_key!r} (fields: {sorted(example)})")
+    gold_text = str(example[answer_key])
+    gold = _parse_gold(gold_text, parsing_timeout_s)
+    if not gold:
+        raise ValueError(f"gold answer field {answer_key!r} could not be parsed: {gold_text[-200:]!r}")
+    if not completion.strip():
+        return 0.0
+    predicted = _parse(extract_answer_text(completion, answer_tag=answer_tag), parsing_timeout_s)
+    if not predicted:
+        return 0.0
+    return float(verify(gold, predicted, timeout_seconds=verify_timeout_s))

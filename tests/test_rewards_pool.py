@@ -1,0 +1,239 @@
+"""The reward worker pool: per-call timeouts, exceptions, dying workers, and no leaked processes.
+
+The rewards below are module-level functions: the spawned workers import this module to unpickle them.
+"""
+
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from feynrl_jax.rollout.rewards import RewardScorer, TimeoutProcessPool
+
+TIMEOUT_S = 1.0
+
+
+def sleepy_reward(prompt, completion, example):
+    """Sleeps forever on rows marked "sleep", else scores 1."""
+    if example.get("sleep"):
+        while True:
+            time.sleep(3600)
+    return 1.0
+
+
+def raising_reward(prompt, completion, example):
+    """Raises on rows marked "raise", else scores the completion's length."""
+    if example.get("raise"):
+        raise ZeroDivisionError("bad row")
+    return float(len(completion))
+
+
+def dying_reward(prompt, completion, example):
+    """Kills its own worker process on rows marked "die"."""
+    if example.get("die"):
+        os._exit(3)
+    return 0.5
+
+
+def nan_reward(prompt, completion, example):
+    return float("nan")
+
+
+def _alive(pid):
+    """Whether process ``pid`` exists and is not a zombie (orphans may be reaped late in containers)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+SPECS = {
+    f"{__name__}:sleepy_reward": 1.0,
+    f"{__name__}:raising_reward": 1.0,
+    f"{__name__}:dying_reward": 1.0,
+}
+SLEEPY, RAISING, DYING = SPECS
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with RewardScorer(SPECS, timeout_s=TIMEOUT_S, num_workers=2) as scorer:
+        scorer.score(["warm-up"] * 4, ["x"] * 4, [{}] * 4)  # Wait for the workers to start.
+        yield scorer
+
+
+def test_forever_sleeping_reward_is_cut_off_at_its_timeout(scorer):
+    examples = [{}] * 8
+    examples[2] = {"sleep": True}
+    pids_before = set(scorer.worker_pids)
+    start = time.monotonic()
+    rewards, per_reward, metrics = scorer.score(["p"] * 8, ["abc"] * 8, examples)
+    elapsed = time.monotonic() - start
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 3.0
+    want_sleepy = np.ones(8)
+    want_sleepy[2] = 0.0
+    np.testing.assert_array_equal(per_reward[SLEEPY], want_sleepy)
+    # The other rewards of the timed-out row still ran (the rest of its chunk went to a live worker).
+    np.testing.assert_array_equal(per_reward[RAISING], 3.0)
+    np.testing.assert_array_equal(per_reward[DYING], 0.5)
+    np.testing.assert_allclose(rewards, want_sleepy + 3.5)
+    assert metrics[f"rollout/reward/{SLEEPY}/timeouts"] == 1
+    assert metrics[f"rollout/reward/{SLEEPY}/errors"] == 0
+    assert metrics[f"rollout/reward/{RAISING}/timeouts"] == 0
+    # The hung worker was killed and replaced.
+    pids_after = set(scorer.worker_pids)
+    killed = pids_before - pids_after
+    assert len(killed) == 1 and len(pids_after) == 2
+    assert not any(_alive(pid) for pid in killed)
+
+    # The pool keeps working, including two hangs at once (each call gets its own timeout).
+    examples = [{}] * 6
+    examples[1] = examples[4] = {"sleep": True}
+    rewards, per_reward, metrics = scorer.score(["p"] * 6, ["ab"] * 6, examples)
+    np.testing.assert_array_equal(per_reward[SLEEPY], [1, 0, 1, 1, 0, 1])
+    assert metrics[f"rollout/reward/{SLEEPY}/timeouts"] == 2
+    rewards, per_reward, metrics = scorer.score(["p"] * 5, ["ab"] * 5, [{}] * 5)
+    np.testing.assert_allclose(rewards, 3.5)
+    assert metrics[f"rollout/reward/{SLEEPY}/timeouts"] == 0
+
+
+def test_exception_scores_zero_and_is_counted(scorer):
+    examples = [{}, {"raise": True}, {}, {}, {"raise": True}]
+    completions = ["a", "bb", "ccc", "dddd", "eeeee"]
+    rewards, per_reward, metrics = scorer.score(["p"] * 5, completions, examples)
+    np.testing.assert_array_equal(per_reward[RAISING], [1.0, 0.0, 3.0, 4.0, 0.0])
+    np.testing.assert_array_equal(per_reward[SLEEPY], 1.0)
+    np.testing.assert_allclose(rewards, per_reward[RAISING] + 1.5)
+    assert metrics[f"rollout/reward/{RAISING}/errors"] == 2
+    assert metrics[f"rollout/reward/{RAISING}/timeouts"] == 0
+    assert metrics[f"rollout/reward/{SLEEPY}/errors"] == 0
+
+
+def test_dying_worker_scores_zero_and_is_replaced(scorer):
+    examples = [{}, {}, {"die": True}, {}]
+    pids_before = set(scorer.worker_pids)
+    _, per_reward, metrics = scorer.score(["p"] * 4, ["x"] * 4, examples)
+    np.testing.assert_array_equal(per_reward[DYING], [0.5, 0.5, 0.0, 0.5])
+    np.testing.assert_array_equal(per_reward[RAISING], 1.0)
+    assert metrics[f"rollout/reward/{DYING}/errors"] == 1
+    assert len(pids_before - set(scorer.worker_pids)) == 1
+    _, per_reward, _ = scorer.score(["p"] * 3, ["x"] * 3, [{}] * 3)
+    np.testing.assert_array_equal(per_reward[DYING], 0.5)
+
+
+def test_hang_in_the_middle_of_a_chunk_with_a_single_worker():
+    # Three rewards, one row per chunk: the hang is the chunk's second call; the third call must be requeued and
+    # run by the replacement worker (the only worker left, still starting when the hang is detected).
+    functions = [raising_reward, sleepy_reward, dying_reward]
+    rows = [("p", "ab", {}), ("p", "abc", {"sleep": True}), ("p", "abcd", {})]
+    with TimeoutProcessPool(functions, num_workers=1, timeout_s=TIMEOUT_S, max_chunk=3) as pool:
+        start = time.monotonic()
+        result = pool.map(rows)
+        assert time.monotonic() - start >= TIMEOUT_S
+        assert pool.workers_replaced == 1
+    np.testing.assert_array_equal(result.values, [[2.0, 1.0, 0.5], [3.0, 0.0, 0.5], [4.0, 1.0, 0.5]])
+    np.testing.assert_array_equal(result.status, [[0, 0, 0], [0, 2, 0], [0, 0, 0]])
+    assert result.errors == [(1, 1, f"timed out after {TIMEOUT_S} s")]
+
+
+def test_non_finite_reward_is_an_error():
+    with TimeoutProcessPool([nan_reward, raising_reward], num_workers=1, timeout_s=10.0) as pool:
+        result = pool.map([("p", "xy", {})])
+    np.testing.assert_array_equal(result.values, [[0.0, 2.0]])
+    np.testing.assert_array_equal(result.status, [[1, 0]])
+    assert result.errors == [(0, 0, "ValueError: reward returned a non-finite value nan")]
+
+
+def test_many_cheap_items_are_fast_and_ordered():
+    n = 2000
+    completions = [f"#### {i}" for i in range(n)]
+    examples = [{"answer": str(i if i % 3 else i + 1)} for i in range(n)]
+    with RewardScorer({"gsm8k": 1.0, "format": 1.0}, timeout_s=10.0, num_workers=2) as scorer:
+        scorer.score(["p"], ["#### 1"], [{"answer": "1"}])
+        start = time.monotonic()
+        _, per_reward, _ = scorer.score(["p"] * n, completions, examples)
+        elapsed = time.monotonic() - start
+    np.testing.assert_array_equal(per_reward["gsm8k"], [float(i % 3 != 0) for i in range(n)])
+    np.testing.assert_array_equal(per_reward["format"], 0.0)
+    assert elapsed < 5.0, f"{n} cheap items took {elapsed:.2f} s"
+
+
+def test_close_leaves_no_child_process():
+    scorer = RewardScorer({"gsm8k": 1.0}, timeout_s=5.0, num_workers=2)
+    rewards, _, _ = scorer.score(["p"], ["#### 4"], [{"answer": "4"}])
+    assert rewards.tolist() == [1.0]
+    pids = scorer.worker_pids
+    assert all(_alive(pid) for pid in pids)
+    scorer.close()
+    scorer.close()  # Idempotent.
+    assert not any(_alive(pid) for pid in pids)
+    assert not {p.pid for p in multiprocessing.active_children()} & set(pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        scorer.score(["p"], ["#### 4"], [{"answer": "4"}])
+
+    with RewardScorer({"gsm8k": 1.0}, timeout_s=5.0, num_workers=1) as scorer:
+        pids = scorer.worker_pids
+    assert not any(_alive(pid) for pid in pids)
+
+    # A scorer dropped without close() stops its workers when garbage collected.
+    scorer = RewardScorer({"gsm8k": 1.0}, timeout_s=5.0, num_workers=1)
+    scorer.score(["p"], ["#### 4"], [{"answer": "4"}])
+    pids = scorer.worker_pids
+    del scorer
+    gc.collect()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_unpicklable_reward_is_rejected_by_name():
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        TimeoutProcessPool([lambda p, c, e: 1.0], num_workers=1, timeout_s=1.0)
+
+
+def test_bad_inputs_are_named():
+    with RewardScorer({"gsm8k": 1.0}, timeout_s=5.0, num_workers=1) as scorer:
+        with pytest.raises(ValueError, match="one entry per item"):
+            scorer.score(["p", "p"], ["c"], [{}])
+        with pytest.raises(ValueError, match="row 1 must be a mapping"):
+            scorer.score(["p", "p"], ["c", "c"], [{}, "answer"])
+        with pytest.raises(ValueError, match="completion_lengths has 1 entries for 2"):
+            scorer.score(["p", "p"], ["c", "c"], [{}, {}], completion_lengths=[3])
+        with pytest.raises(ValueError, match="row 1 cannot be pickled"):
+            scorer.score(["p", "p"], ["c", "c"], [{}, {"answer": lambda: 1}])
+        # The pool is intact after rejected input.
+        assert scorer.score(["p"], ["#### 2"], [{"answer": "2"}])[0].tolist() == [1.0]
+        rewards, per_reward, metrics = scorer.score([], [], [])
+        assert rewards.shape == (0,) and per_reward["gsm8k"].shape == (0,)
+        assert np.isnan(metrics["rollout/reward/gsm8k/mean"])
+
+
+_ORPHAN_SCRIPT = """
+import sys
+sys.path.insert(0, {tests_dir!r})
+from feynrl_jax.rollout.rewards import RewardScorer
+scorer = RewardScorer({{"test_rewards_pool:sleepy_reward": 1.0}}, timeout_s=600.0, num_workers=2)
+scorer.score(["p"], ["x"], [{{}}])
+print(*scorer.worker_pids, flush=True)
+scorer.score(["p"], ["x"], [{{"sleep": True}}])
+"""
+
+
+def test_workers_exit_when_the_parent_is_killed():
+    script = _ORPHAN_SCRIPT.format(tests_dir=os.path.dirname(__file__))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        time.sleep(0.5)  # One worker is now stuck in the sleeping reward.
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+    deadline = time.monotonic() + 10.0
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
