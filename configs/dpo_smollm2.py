@@ -1,0 +1,68 @@
+"""DPO on SmolLM2-135M-Instruct with preference pairs from reasoning-gym (a correct vs. a wrong answer).
+
+Launch:
+    feynrl-jax train --config=configs/dpo_smollm2.py
+    feynrl-jax train --config=configs/dpo_smollm2.py:runlocal            # 2-step smoke run
+    feynrl-jax train --config=configs/dpo_smollm2.py --config.optim.lr=1e-6
+
+Variants (comma-separated after the colon):
+    runlocal  shrink everything for a smoke run.
+    tiny      a tiny random-init model with SmolLM2's tokenizer (tests).
+
+Batch sizes count pairs; each pair is two rows (chosen, rejected) of the train batch.
+
+References:
+    Rafailov et al., "Direct Preference Optimization", 2023.
+"""
+
+from feynrl_jax.config.base import add_data_source, base_config, data_source
+from feynrl_jax.config.variants import parse_variants, use_tiny_model
+
+
+def get_config(arg=None):
+    variants = parse_variants(arg, ("runlocal", "tiny"))
+    config = base_config()
+    config.paradigm = "dpo"
+    config.name = "dpo_smollm2"
+    config.run_dir = "runs/dpo_smollm2"
+    config.model.gguf = "smollm2"
+
+    add_data_source(config, "arith_pairs", data_source("reasoning_gym", task="basic_arithmetic", size=4000, seed=1))
+    add_data_source(
+        config, "arith_test", data_source("reasoning_gym", task="basic_arithmetic", split="test", size=200, seed=1)
+    )
+    config.data.system_prompt = "Reply with only the final answer."
+    config.data.response_template = "{answer}"  # Chosen: the right answer; rejected: a wrong one, same template.
+    config.data.max_prompt_len = 160
+    config.data.max_seq_len = 256
+
+    config.algo.name = "dpo"
+    config.algo.reference = "initial"  # The frozen starting policy.
+    config.optim.lr = 1e-6
+    config.optim.warmup_steps = 5
+    config.train.steps = 100
+    config.train.global_batch_size = 16
+    config.train.micro_batch_size = 8
+    config.train.eval_every = 25
+
+    config.eval.n_samples = 1
+    config.eval.k = (1,)
+    config.eval.temperature = 0.0
+    config.eval.max_new_tokens = 64
+    config.eval.num_prompts = 100
+    config.checkpoint.every_steps = 25
+
+    if "tiny" in variants:
+        use_tiny_model(config)
+        config.run_dir += "_tiny"
+    if "runlocal" in variants:
+        config.train.steps = 2
+        config.optim.warmup_steps = 0
+        config.train.global_batch_size = 8
+        config.train.micro_batch_size = 0
+        config.train.eval_every = 0
+        config.eval.max_new_tokens = 16
+        config.eval.num_prompts = 4
+        config.checkpoint.every_steps = 0
+        config.run_dir += "_runlocal"
+    return config

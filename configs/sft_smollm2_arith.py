@@ -1,0 +1,67 @@
+"""Supervised fine-tuning of SmolLM2-135M-Instruct on reasoning-gym arithmetic (prompt -> answer).
+
+Launch:
+    feynrl-jax train --config=configs/sft_smollm2_arith.py
+    feynrl-jax train --config=configs/sft_smollm2_arith.py:runlocal      # 2-step smoke run
+    feynrl-jax train --config=configs/sft_smollm2_arith.py:packing --config.optim.lr=2e-5
+
+Variants (comma-separated after the colon):
+    runlocal  shrink everything for a smoke run.
+    packing   pack several examples per row (segment ids) instead of padding each.
+    tiny      a tiny random-init model with SmolLM2's tokenizer (tests).
+"""
+
+from feynrl_jax.config.base import add_data_source, base_config, data_source
+from feynrl_jax.config.variants import parse_variants, use_tiny_model
+
+
+def get_config(arg=None):
+    variants = parse_variants(arg, ("runlocal", "packing", "tiny"))
+    config = base_config()
+    config.paradigm = "sft"
+    config.name = "sft_smollm2_arith"
+    config.run_dir = "runs/sft_smollm2_arith"
+    config.model.gguf = "smollm2"
+
+    add_data_source(config, "arith", data_source("reasoning_gym", task="basic_arithmetic", size=5000, seed=0))
+    add_data_source(
+        config, "arith_test", data_source("reasoning_gym", task="basic_arithmetic", split="test", size=200, seed=0)
+    )
+    config.data.system_prompt = "Reply with only the final answer."
+    config.data.response_template = "{answer}"  # The target response: the bare answer, as the reward reads it.
+    config.data.max_prompt_len = 160
+    config.data.max_seq_len = 256
+    config.data.packing = "packing" in variants
+
+    config.algo.name = "sft"
+    config.algo.reference = "none"
+    config.optim.lr = 1e-5
+    config.optim.schedule = "cosine"
+    config.optim.warmup_steps = 10
+    config.optim.weight_decay = 0.01
+    config.train.steps = 200
+    config.train.global_batch_size = 32
+    config.train.micro_batch_size = 16
+    config.train.eval_every = 50
+
+    config.eval.n_samples = 1
+    config.eval.k = (1,)
+    config.eval.temperature = 0.0
+    config.eval.max_new_tokens = 64
+    config.eval.num_prompts = 100
+    config.checkpoint.every_steps = 50
+
+    if "tiny" in variants:
+        use_tiny_model(config)
+        config.run_dir += "_tiny"
+    if "runlocal" in variants:
+        config.train.steps = 2
+        config.optim.warmup_steps = 0
+        config.train.global_batch_size = 8
+        config.train.micro_batch_size = 0
+        config.train.eval_every = 0
+        config.eval.max_new_tokens = 16
+        config.eval.num_prompts = 4
+        config.checkpoint.every_steps = 0
+        config.run_dir += "_runlocal"
+    return config

@@ -1,0 +1,232 @@
+"""The `feynrl-jax` command: train, eval, convert, export and plot.
+
+    feynrl-jax train --config=configs/grpo_demo.py[:variants] [--config.optim.lr=3e-6 ...] [--[no]resume]
+    feynrl-jax eval --config=configs/eval_smollm2.py [--config.eval.n_samples=16 ...]
+    feynrl-jax convert --gguf=smollm2 --out=checkpoints/smollm2
+    feynrl-jax export RUN_DIR --out=DIR
+    feynrl-jax plot RUN_DIR
+
+The config is loaded, its command-line overrides checked and the whole config validated before anything heavy
+is imported: a misspelt key fails in well under a second, naming the key and the closest valid one. The
+subcommands' implementations are imported only when they run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+
+from absl import app, flags
+from ml_collections import ConfigDict, config_flags
+
+from feynrl_jax.config.errors import ConfigError
+from feynrl_jax.config.overrides import check_overrides, parse_argv
+from feynrl_jax.config.validation import validate
+
+USAGE = __doc__.split("\n\n")[1]
+EXIT_USAGE = 2  # Bad command line or config.
+EXIT_NOT_BUILT = 3  # The subcommand's implementation does not exist yet.
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config: configs/<name>.py, optionally with variants: configs/<name>.py:runlocal."
+)
+_RESUME = flags.DEFINE_boolean(
+    "resume", None, "train: continue from the latest checkpoint in run_dir (overrides config.checkpoint.resume)."
+)
+_GGUF = flags.DEFINE_string("gguf", None, "convert: a GGUF file, or 'smollm2' for the shipped SmolLM2-135M-Instruct.")
+_OUT = flags.DEFINE_string("out", None, "convert/export: the output folder.")
+
+
+class CommandError(Exception):
+    """A command that cannot run; the message is printed and the process exits with `exit_code`."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A function of another package that a subcommand calls, imported only when the subcommand runs."""
+
+    module: str
+    function: str
+
+    def load(self) -> Callable:
+        """Imports and returns the function; `CommandError` (EXIT_NOT_BUILT) when it does not exist yet."""
+        try:
+            module = importlib.import_module(self.module)
+        except ModuleNotFoundError as e:
+            if e.name and self.module.startswith(e.name):
+                raise CommandError(f"{self.module} is not built yet.", EXIT_NOT_BUILT) from e
+            raise
+        if not hasattr(module, self.function):
+            raise CommandError(f"{self.module}.{self.function} is not built yet.", EXIT_NOT_BUILT)
+        return getattr(module, self.function)
+
+
+LOOPS = {
+    "sft": Entry("feynrl_jax.train.sft_loop", "run"),
+    "dpo": Entry("feynrl_jax.train.dpo_loop", "run"),
+    "rl": Entry("feynrl_jax.orchestration.rl_loop", "run"),
+}
+EVALUATE = Entry("feynrl_jax.eval.evaluate", "run")
+CONVERT_GGUF = Entry("feynrl_jax.checkpoints", "convert_gguf")
+FIND_SMOLLM2 = Entry("feynrl_jax.checkpoints", "find_smollm2_gguf")
+EXPORT = Entry("feynrl_jax.train.export", "export_run")
+PLOT = Entry("feynrl_jax.tracking.plots", "plot_run")
+
+
+def load_config(spec: str) -> ConfigDict:
+    """Runs `get_config(arg)` of the file in `spec` ("path.py" or "path.py:variants").
+
+    Raises:
+        CommandError: naming the file when it is missing, has no `get_config`, or `get_config` fails.
+    """
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise CommandError(f"config file {path!r} does not exist.")
+    module_spec = importlib.util.spec_from_file_location("feynrl_jax_user_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise CommandError(f"config file {path!r} failed to import: {type(e).__name__}: {e}") from e
+    if not hasattr(module, "get_config"):
+        raise CommandError(f"config file {path!r} defines no get_config().")
+    try:
+        config = module.get_config(arg) if arg else module.get_config()
+    except ConfigError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CommandError(f"{path}: get_config({arg!r}) failed: {type(e).__name__}: {e}") from e
+    if not isinstance(config, ConfigDict):
+        raise CommandError(f"{path}: get_config() returned {type(config).__name__}, not a ConfigDict.")
+    return config
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, preceded by our override check; exits with a one-line reason on bad input.
+
+    Returns:
+        The positional arguments (program name, subcommand, operands).
+    """
+    try:
+        spec, overrides = parse_argv(argv[1:])
+        if spec:
+            check_overrides(load_config(spec), overrides)
+        elif overrides:
+            raise CommandError(f"--config.{overrides[0].path} given without --config=<file>.")
+        return flags.FLAGS(argv)
+    except (ConfigError, CommandError) as e:
+        _exit(str(e), getattr(e, "exit_code", EXIT_USAGE))
+    except flags.Error as e:
+        _exit(str(e), EXIT_USAGE)
+
+
+def _exit(message: str, code: int) -> None:
+    print(f"feynrl-jax: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _validated_config(command: str) -> ConfigDict:
+    config = _CONFIG.value
+    if config is None:
+        raise CommandError(f"`feynrl-jax {command}` needs --config=configs/<name>.py.")
+    validate(config)
+    return config
+
+
+def train(operands: list[str]) -> None:
+    """Runs the loop of `config.paradigm` (sft, dpo or rl)."""
+    _no_operands("train", operands)
+    config = _validated_config("train")
+    if config.paradigm not in LOOPS:
+        raise CommandError(
+            f"paradigm={config.paradigm!r} is not trainable; run it with `feynrl-jax {config.paradigm}`."
+        )
+    if _RESUME.value is not None:
+        config.checkpoint.resume = _RESUME.value
+    LOOPS[config.paradigm].load()(config)
+
+
+def evaluate(operands: list[str]) -> None:
+    """Evaluates the config's model on its eval split (pass@k, mean reward, lengths)."""
+    _no_operands("eval", operands)
+    config = _validated_config("eval")
+    EVALUATE.load()(config)
+
+
+def convert(operands: list[str]) -> None:
+    """Converts a GGUF file to a Hugging Face folder (config.json + safetensors + tokenizer)."""
+    _no_operands("convert", operands)
+    if not _GGUF.value or not _OUT.value:
+        raise CommandError("usage: feynrl-jax convert --gguf=FILE|smollm2 --out=DIR")
+    gguf = FIND_SMOLLM2.load()() if _GGUF.value == "smollm2" else _GGUF.value
+    if not os.path.isfile(gguf):
+        raise CommandError(f"--gguf={gguf!r} is not a file.")
+    out = CONVERT_GGUF.load()(gguf, _OUT.value)
+    print(f"converted {gguf} -> {out or _OUT.value}")
+
+
+def export(operands: list[str]) -> None:
+    """Writes the latest checkpoint of RUN_DIR as a Hugging Face folder."""
+    run_dir = _one_run_dir("export", operands)
+    if not _OUT.value:
+        raise CommandError("usage: feynrl-jax export RUN_DIR --out=DIR")
+    out = EXPORT.load()(run_dir, _OUT.value)
+    print(f"exported {run_dir} -> {out or _OUT.value}")
+
+
+def plot(operands: list[str]) -> None:
+    """Writes PNG curves of RUN_DIR's metrics."""
+    run_dir = _one_run_dir("plot", operands)
+    written = PLOT.load()(run_dir)
+    if written:
+        print("\n".join(str(path) for path in written))
+
+
+def _no_operands(command: str, operands: list[str]) -> None:
+    if operands:
+        raise CommandError(f"`feynrl-jax {command}` takes no positional arguments, got {' '.join(operands)}.")
+
+
+def _one_run_dir(command: str, operands: list[str]) -> str:
+    if len(operands) != 1:
+        raise CommandError(f"usage: feynrl-jax {command} RUN_DIR" + (" --out=DIR" if command == "export" else ""))
+    if not os.path.isdir(operands[0]):
+        raise CommandError(f"run folder {operands[0]!r} does not exist.")
+    return operands[0]
+
+
+COMMANDS: dict[str, Callable[[list[str]], None]] = {
+    "train": train,
+    "eval": evaluate,
+    "convert": convert,
+    "export": export,
+    "plot": plot,
+}
+
+
+def main(argv: list[str]) -> None:
+    """Dispatches `argv[1]` (the subcommand) with the remaining positional arguments."""
+    if len(argv) < 2 or argv[1] not in COMMANDS:
+        given = f"unknown command {argv[1]!r}; " if len(argv) >= 2 else ""
+        _exit(f"{given}commands: {', '.join(COMMANDS)}.\n{USAGE}", EXIT_USAGE)
+    try:
+        COMMANDS[argv[1]](argv[2:])
+    except (ConfigError, CommandError) as e:
+        _exit(str(e), getattr(e, "exit_code", EXIT_USAGE))
+
+
+def run() -> None:
+    """The console-script entry point."""
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,220 @@
+"""The config schema every experiment shares, with every default.
+
+An experiment file (`configs/*.py`) starts from `base_config()`, changes the values it cares about and returns
+the locked result; the command line then overrides single keys with `--config.section.key=value`. Because the
+config is locked, a misspelt key is an error, never a silently ignored setting.
+
+Conventions:
+    * `None` (an ml_collections placeholder with a type) means "unset": an optional path, or "use the
+      algorithm's registered default" for the shared algorithm hyperparameters in `algo`. For the optional
+      paths an empty string also means unset, so `--config.model.gguf=` clears a path on the command line.
+    * `0` in a count that enables something (`eval_every`, `checkpoint.every_steps`, `top_k`,
+      `train.micro_batch_size`) means "off" / "no limit" / "the whole mini-batch", as documented per key.
+    * Batch sizes count sequences: completions for RL, pairs for DPO, examples for SFT.
+
+To add a key: add it here with its default and a comment, add a check to `validation.py` when some values are
+impossible, and read it directly (`config.section.key`) at the edge that unpacks the config.
+"""
+
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+from ml_collections.config_dict import placeholder
+
+SOURCE_KINDS = ("jsonl", "parquet", "tfds", "reasoning_gym", "champ")
+"""Values of `data.sources.<name>.kind`."""
+
+
+def base_config() -> ConfigDict:
+    """Returns the locked schema with every section and its defaults.
+
+    Returns:
+        A locked `ConfigDict`. `data.sources` is empty; add sources with `add_data_source`.
+    """
+    config = ConfigDict()
+    config.paradigm = "rl"  # "sft" | "dpo" | "rl" | "eval": what `feynrl-jax train` runs.
+    config.name = "run"  # Run name, used in tracking.
+    config.run_dir = "runs/run"  # Checkpoints, metrics.jsonl, plots and the resolved config go here.
+    config.seed = 0  # Seeds parameter init, data order and sampling.
+
+    config.model = ConfigDict()
+    config.model.path = placeholder(str)  # A local Hugging Face folder (config.json + safetensors).
+    config.model.gguf = placeholder(str)  # A GGUF file, or "smollm2" for the shipped SmolLM2-135M-Instruct.
+    config.model.tokenizer = placeholder(str)  # Folder, GGUF file or "smollm2"; None: the model's own.
+    config.model.param_dtype = "float32"  # "float32" | "bfloat16" (use bfloat16 on GPU/TPU).
+    config.model.compute_dtype = "float32"  # "float32" | "bfloat16".
+    config.model.remat = "none"  # "none" | "full" | "dots": rematerialisation in the backward pass.
+    config.model.random_init = False  # Random weights with the shape below (tests, benchmarks).
+    config.model.arch = ConfigDict()  # Shape of a random-init model; ignored when weights are loaded.
+    config.model.arch.architecture = "llama"
+    config.model.arch.vocab_size = 49152  # The SmolLM2 tokenizer's, so real tokenizers fit tiny models.
+    config.model.arch.hidden_size = 64
+    config.model.arch.intermediate_size = 128
+    config.model.arch.num_layers = 2
+    config.model.arch.num_heads = 4
+    config.model.arch.num_kv_heads = 2
+    config.model.arch.head_dim = 16
+    config.model.arch.max_position_embeddings = 2048
+    config.model.arch.tie_word_embeddings = True
+
+    config.data = ConfigDict()
+    config.data.sources = ConfigDict()  # name -> source (see `data_source`); mixed by `weight`.
+    config.data.max_seq_len = 512  # Prompt + response tokens of one training row.
+    config.data.max_prompt_len = 256  # Longer prompts are filtered (and counted), never truncated.
+    config.data.packing = False  # Pack several SFT/DPO examples per row with `segment_ids`.
+    config.data.on_bad_row = "error"  # "error": stop naming file and row | "skip": drop and count it.
+    config.data.shuffle_seed = 0  # Order of the mixture; a resumed run continues the same order.
+    config.data.chat_template = True  # Render prompts with the tokenizer's chat template.
+    config.data.system_prompt = ""  # Prepended as a system turn when non-empty.
+    config.data.response_template = "{answer}"  # reasoning-gym in SFT/DPO: the response stating an answer.
+
+    config.optim = ConfigDict()  # AdamW (Loshchilov & Hutter, 2019) with gradient clipping.
+    config.optim.lr = 1e-6  # Peak learning rate.
+    config.optim.warmup_steps = 0  # Linear warm-up from 0 to `lr`.
+    config.optim.schedule = "constant"  # "constant" | "cosine" (decays to 0 at `train.steps`).
+    config.optim.weight_decay = 0.0
+    config.optim.b1 = 0.9
+    config.optim.b2 = 0.999
+    config.optim.eps = 1e-8
+    config.optim.max_grad_norm = 1.0  # Global-norm clipping; 0 disables it.
+    config.optim.max_consecutive_nonfinite = 3  # Skip non-finite updates; stop after this many in a row.
+
+    config.train = ConfigDict()
+    config.train.steps = 100  # Optimizer phases (RL: rollout + `ppo_epochs` x `mini_batches` updates).
+    config.train.global_batch_size = 16  # Sequences per phase across all devices (RL: prompts x n_samples).
+    config.train.micro_batch_size = 0  # Sequences per forward/backward; 0: the whole mini-batch at once.
+    config.train.ppo_epochs = 1  # Passes over each RL batch.
+    config.train.mini_batches = 1  # Optimizer updates per pass (the batch is split into this many).
+    config.train.log_every = 1  # Steps between metric writes.
+    config.train.eval_every = 0  # Steps between evaluations; 0: only at the start and the end.
+    config.train.recompute_old_logprobs = True  # RL: recompute pi_old with the trainer (else the engine's).
+
+    config.rollout = ConfigDict()
+    config.rollout.engine = "native"  # "native" (JAX, continuous batching) | "vllm".
+    config.rollout.n_samples = 8  # Completions per prompt (the group size of GRPO-style advantages).
+    config.rollout.max_new_tokens = 128
+    config.rollout.temperature = 1.0  # 0 means greedy.
+    config.rollout.top_k = 0  # 0: no top-k filtering.
+    config.rollout.top_p = 1.0  # 1: no nucleus filtering.
+    config.rollout.num_workers = 1  # Rollout workers (Ray actors).
+    config.rollout.max_slots = 32  # Sequences decoded concurrently per worker.
+    config.rollout.decode_steps_per_dispatch = 8  # Decode steps per jitted call before refilling slots.
+    config.rollout.stop_strings = ()  # Generation stops after any of these strings (plus EOS).
+
+    config.algo = ConfigDict()
+    config.algo.name = "grpo"  # A key of `feynrl_jax.losses.ALGORITHMS`.
+    config.algo.kl_coef = placeholder(float)  # None: the algorithm's default.
+    config.algo.clip_low = placeholder(float)  # None: the algorithm's default.
+    config.algo.clip_high = placeholder(float)  # None: the algorithm's default.
+    config.algo.loss_agg = placeholder(str)  # "token_mean" | "seq_mean_token_mean" | "seq_mean_token_sum".
+    config.algo.reference = "initial"  # "none" | "initial" (the starting policy) | a path to a model.
+    config.algo.hparams = ConfigDict()  # Other hyperparameters of the algorithm, by name (see losses/README).
+    config.algo.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal and refill.
+    config.algo.reference_mode = "per_batch"  # DPO: "per_batch" (reference forward each step) | "precompute".
+
+    config.mesh = ConfigDict()  # Device mesh ("data", "fsdp", "tensor"); one size may be -1 (the rest).
+    config.mesh.data = -1
+    config.mesh.fsdp = 1
+    config.mesh.tensor = 1
+    config.mesh.rules = "dp"  # Logical-axis rules table: "dp" | "fsdp" | "fsdp_tp".
+
+    config.checkpoint = ConfigDict()
+    config.checkpoint.every_steps = 50  # 0: only at the end.
+    config.checkpoint.keep = 2  # Most recent checkpoints kept.
+    config.checkpoint.async_save = True
+    config.checkpoint.resume = True  # Continue from the latest checkpoint in `run_dir` if there is one.
+
+    config.tracking = ConfigDict()
+    config.tracking.jsonl = True  # `run_dir/metrics.jsonl`.
+    config.tracking.wandb = False
+    config.tracking.wandb_project = "feynrl-jax"
+    config.tracking.progress_bar = True
+
+    config.eval = ConfigDict()
+    config.eval.n_samples = 4  # Completions per prompt.
+    config.eval.k = (1, 4)  # pass@k reported for each k <= n_samples.
+    config.eval.max_new_tokens = 256
+    config.eval.temperature = 0.7
+    config.eval.num_prompts = 100  # 0: the whole split.
+    config.eval.split = "test"
+    config.eval.during_training = True  # SFT/DPO loops: evaluate at the start, every train.eval_every, at the end.
+    config.eval.reward = "reasoning_gym"  # Reward spec deciding correctness (feynrl_jax.rollout.rewards registry).
+    config.eval.success_threshold = 1.0  # A sample is correct when its reward >= this (empty: always wrong).
+
+    config.ray = ConfigDict()
+    config.ray.address = placeholder(str)  # None: start Ray locally; else e.g. "ray://head:10001" or "auto".
+    config.ray.num_cpus = placeholder(int)  # None: every CPU of the machine (local Ray only).
+
+    config.lock()
+    return config
+
+
+def data_source(
+    kind: str,
+    *,
+    path: str | None = None,
+    task: str | None = None,
+    split: str = "train",
+    weight: float = 1.0,
+    size: int = 1000,
+    seed: int = 0,
+    fields: dict[str, str] | None = None,
+) -> ConfigDict:
+    """One named data source, with every field present so the command line can override any of them.
+
+    Args:
+        kind: one of `SOURCE_KINDS`.
+        path: file or folder for "jsonl", "parquet" and "tfds".
+        task: the reasoning-gym task ("basic_arithmetic", "chain_sum", ...), tfds builder or champ subset.
+        split: "train" or "test"; reasoning-gym draws the test split from a disjoint seed.
+        weight: relative sampling weight in the mixture (normalised over sources).
+        size: examples generated for procedural sources (reasoning-gym).
+        seed: generator seed for procedural sources.
+        fields: column names in the file: prompt, response, chosen, rejected, answer.
+
+    Returns:
+        A `ConfigDict` for `config.data.sources.<name>`.
+    """
+    columns = {
+        "prompt": "prompt",
+        "response": "response",
+        "chosen": "chosen",
+        "rejected": "rejected",
+        "answer": "answer",
+    }
+    columns.update(fields or {})
+    source = ConfigDict()
+    source.kind = kind
+    source.path = placeholder(str) if path is None else path
+    source.task = placeholder(str) if task is None else task
+    source.split = split
+    source.weight = float(weight)
+    source.size = size
+    source.seed = seed
+    source.fields = ConfigDict(columns)
+    return source
+
+
+def add_data_source(config: ConfigDict, name: str, source: ConfigDict) -> None:
+    """Adds `source` as `config.data.sources.<name>` to a locked config (the config stays locked).
+
+    Args:
+        config: a config from `base_config()`.
+        name: the source's name, used on the command line: `--config.data.sources.<name>.weight=0.5`.
+        source: from `data_source(...)`.
+    """
+    with config.data.sources.unlocked():
+        config.data.sources[name] = source
+    config.data.sources.lock()
+
+
+def set_algorithm_hparams(config: ConfigDict, **values: object) -> None:
+    """Declares algorithm-specific hyperparameters in `config.algo.hparams` (the config stays locked).
+
+    Declared keys can then be overridden on the command line (`--config.algo.hparams.dual_clip=3.0`); the loop
+    checks them against the algorithm's registered hyperparameters (`derived.algorithm_hyperparameters`).
+    """
+    with config.algo.hparams.unlocked():
+        for key, value in values.items():
+            config.algo.hparams[key] = value
+    config.algo.hparams.lock()

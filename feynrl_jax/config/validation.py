@@ -1,0 +1,385 @@
+"""Load-time checks of a whole config: every problem is one sentence naming its key.
+
+`validate(config)` runs before anything heavy (it imports neither JAX nor the model code), so a bad config fails
+in well under a second. Checks that need the device count (the data-parallel size when a mesh axis is `-1`) run
+when the caller passes `num_devices`: the CLI cannot know it without starting JAX, so the loops call
+`validate(config, num_devices=jax.device_count())` again once JAX is up. With explicit mesh sizes the batch
+divisibility checks run in the CLI already.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+
+from ml_collections import ConfigDict
+
+from feynrl_jax.config.algorithms import ALGORITHM_TRAITS, PARADIGMS
+from feynrl_jax.config.base import SOURCE_KINDS, base_config, data_source
+from feynrl_jax.config.errors import ConfigError, Problem, suggestion
+
+DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "dots")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SCHEDULES = ("constant", "cosine")
+ENGINES = ("native", "vllm")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+MESH_RULES = ("dp", "fsdp", "fsdp_tp")
+BAD_ROW_POLICIES = ("error", "skip")
+
+
+def flatten(config: ConfigDict, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """Yields `(dotted_path, value)` for every leaf of `config`, sections before their children."""
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, ConfigDict):
+            yield path, value
+            yield from flatten(value, path + ".")
+        else:
+            yield path, value
+
+
+def known_keys(config: ConfigDict) -> list[str]:
+    """Every dotted path that may appear in `config`: the schema's, plus those of its data sources."""
+    keys = [path for path, _ in flatten(base_config())]
+    for name in config.data.sources.keys():
+        keys.append(f"data.sources.{name}")
+        keys += [f"data.sources.{name}.{path}" for path, _ in flatten(data_source("jsonl"))]
+    return keys
+
+
+def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
+    """Raises `ConfigError` listing every problem of `config`; returns None when it can run.
+
+    Args:
+        config: a config built on `base_config()`.
+        num_devices: the number of devices the mesh spans; None skips the checks that need it unless the mesh
+            sizes are all explicit.
+
+    Raises:
+        ConfigError: with one `Problem(key, sentence)` per problem.
+    """
+    problems: list[Problem] = []
+
+    def bad(key: str, message: str) -> None:
+        problems.append(Problem(key, message))
+
+    _check_keys(config, bad)
+    if problems:  # Unknown keys make the remaining checks meaningless.
+        raise ConfigError(problems)
+    _check_top(config, bad)
+    _check_model(config.model, bad)
+    _check_data(config, bad)
+    _check_optim(config.optim, config.train.steps, bad)
+    _check_batches(config, bad, num_devices)
+    _check_rollout(config, bad)
+    _check_algo(config, bad)
+    _check_mesh(config.mesh, bad)
+    _check_misc(config, bad)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_keys(config, bad):
+    allowed = set(known_keys(config))
+    for path, _ in flatten(config):
+        if path not in allowed and not path.startswith("algo.hparams."):
+            bad(path, f"unknown key {path}{suggestion(path, allowed)}.")
+
+
+def _choice(bad, key, value, choices):
+    if value not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        bad(key, f"{key}={value!r} is not one of {options}{suggestion(str(value), [str(c) for c in choices])}.")
+        return False
+    return True
+
+
+def _at_least(bad, key, value, low):
+    if value < low:
+        bad(key, f"{key}={value!r} must be at least {low}.")
+
+
+def _check_top(config, bad):
+    _choice(bad, "paradigm", config.paradigm, PARADIGMS)
+    if not config.name:
+        bad("name", "name must not be empty.")
+    if not config.run_dir:
+        bad("run_dir", "run_dir must not be empty.")
+    _at_least(bad, "seed", config.seed, 0)
+
+
+def _check_model(model, bad):
+    if not (model.path or model.gguf or model.random_init):
+        bad("model.path", "model.path is unset: set model.path, model.gguf or model.random_init=True.")
+    if model.path and model.gguf:
+        bad("model.gguf", "model.gguf and model.path are both set; keep one.")
+    if model.path and not model.random_init and not os.path.isdir(model.path):
+        bad("model.path", f"model.path={model.path!r} is not a folder.")
+    if model.gguf and model.gguf != "smollm2" and not os.path.isfile(model.gguf):
+        bad("model.gguf", f"model.gguf={model.gguf!r} is not a file (or 'smollm2' for the shipped model).")
+    if model.tokenizer and model.tokenizer != "smollm2" and not os.path.exists(model.tokenizer):
+        bad("model.tokenizer", f"model.tokenizer={model.tokenizer!r} does not exist (or 'smollm2').")
+    if model.random_init and not (model.tokenizer or model.path or model.gguf):
+        bad("model.tokenizer", "model.tokenizer is unset: a random-init model still needs a tokenizer.")
+    _choice(bad, "model.param_dtype", model.param_dtype, DTYPES)
+    _choice(bad, "model.compute_dtype", model.compute_dtype, DTYPES)
+    _choice(bad, "model.remat", model.remat, REMAT_POLICIES)
+    arch = model.arch
+    _choice(bad, "model.arch.architecture", arch.architecture, ARCHITECTURES)
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
+        _at_least(bad, f"model.arch.{key}", arch[key], 1)
+    if arch.num_kv_heads >= 1 and arch.num_heads % arch.num_kv_heads:
+        bad(
+            "model.arch.num_kv_heads",
+            f"model.arch.num_kv_heads={arch.num_kv_heads} must divide model.arch.num_heads={arch.num_heads}.",
+        )
+
+
+def _check_data(config, bad):
+    data = config.data
+    if not data.sources.keys():
+        bad("data.sources", "data.sources is empty; add one with feynrl_jax.config.add_data_source.")
+    for name, source in data.sources.items():
+        key = f"data.sources.{name}"
+        if not _choice(bad, f"{key}.kind", source.kind, SOURCE_KINDS):
+            continue
+        if source.kind in ("jsonl", "parquet", "tfds") and not source.path:
+            bad(f"{key}.path", f"{key}.path is unset but a {source.kind} source reads a file.")
+        if source.kind == "reasoning_gym" and not source.task:
+            bad(f"{key}.task", f"{key}.task is unset: name a reasoning-gym task, e.g. 'basic_arithmetic'.")
+        if source.weight <= 0:
+            bad(f"{key}.weight", f"{key}.weight={source.weight} must be positive.")
+        _at_least(bad, f"{key}.size", source.size, 1)
+        if not source.split:
+            bad(f"{key}.split", f"{key}.split must not be empty.")
+    splits = {source.split for source in data.sources.values()}
+    if data.sources.keys() and config.paradigm in ("sft", "dpo", "rl") and "train" not in splits:
+        bad("data.sources", f"data.sources has no source with split 'train' to train {config.paradigm} on.")
+    evaluates = config.paradigm in ("rl", "eval") or config.eval.during_training
+    if data.sources.keys() and evaluates and config.eval.split not in splits:
+        bad(
+            "eval.split",
+            f"eval.split={config.eval.split!r} matches no source in data.sources (splits: "
+            f"{', '.join(sorted(splits))}).",
+        )
+    _at_least(bad, "data.max_seq_len", data.max_seq_len, 2)
+    _at_least(bad, "data.max_prompt_len", data.max_prompt_len, 1)
+    if data.max_prompt_len >= data.max_seq_len:
+        bad(
+            "data.max_prompt_len",
+            f"data.max_prompt_len={data.max_prompt_len} leaves no room for a response "
+            f"in data.max_seq_len={data.max_seq_len}.",
+        )
+    _choice(bad, "data.on_bad_row", data.on_bad_row, BAD_ROW_POLICIES)
+    if data.max_prompt_len >= data.max_seq_len:
+        return
+    if config.paradigm == "rl" and data.max_prompt_len + config.rollout.max_new_tokens > data.max_seq_len:
+        bad(
+            "rollout.max_new_tokens",
+            f"rollout.max_new_tokens={config.rollout.max_new_tokens} plus data.max_prompt_len="
+            f"{data.max_prompt_len} exceeds data.max_seq_len={data.max_seq_len}.",
+        )
+    if config.paradigm in ("rl", "eval") and data.max_prompt_len + config.eval.max_new_tokens > data.max_seq_len:
+        bad(
+            "eval.max_new_tokens",
+            f"eval.max_new_tokens={config.eval.max_new_tokens} plus data.max_prompt_len="
+            f"{data.max_prompt_len} exceeds data.max_seq_len={data.max_seq_len}.",
+        )
+
+
+def _check_optim(optim, steps, bad):
+    if optim.lr < 0:
+        bad("optim.lr", f"optim.lr={optim.lr} is negative.")
+    _at_least(bad, "optim.warmup_steps", optim.warmup_steps, 0)
+    _choice(bad, "optim.schedule", optim.schedule, SCHEDULES)
+    _at_least(bad, "optim.weight_decay", optim.weight_decay, 0.0)
+    if optim.schedule == "cosine" and optim.warmup_steps >= steps:
+        bad(
+            "optim.warmup_steps",
+            f"optim.warmup_steps={optim.warmup_steps} leaves nothing of the cosine decay in train.steps={steps}.",
+        )
+    for key in ("b1", "b2"):
+        if not 0.0 <= optim[key] < 1.0:
+            bad(f"optim.{key}", f"optim.{key}={optim[key]} must be in [0, 1).")
+    if optim.eps <= 0:
+        bad("optim.eps", f"optim.eps={optim.eps} must be positive.")
+    _at_least(bad, "optim.max_grad_norm", optim.max_grad_norm, 0.0)
+    _at_least(bad, "optim.max_consecutive_nonfinite", optim.max_consecutive_nonfinite, 1)
+
+
+def _data_parallel_size(mesh, num_devices):
+    """data x fsdp when it is known: both explicit, or resolvable against `num_devices`."""
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    if any(s == 0 or s < -1 for s in sizes.values()) or list(sizes.values()).count(-1) > 1:
+        return None  # Reported by _check_mesh.
+    if -1 in sizes.values():
+        if num_devices is None:
+            return None
+        fixed = math.prod(s for s in sizes.values() if s != -1)
+        if num_devices % fixed:
+            return None
+        sizes = {k: (num_devices // fixed if s == -1 else s) for k, s in sizes.items()}
+    return sizes["data"] * sizes["fsdp"]
+
+
+def _check_batches(config, bad, num_devices):
+    train = config.train
+    for key in ("steps", "global_batch_size", "ppo_epochs", "mini_batches", "log_every"):
+        _at_least(bad, f"train.{key}", train[key], 1)
+    _at_least(bad, "train.micro_batch_size", train.micro_batch_size, 0)
+    _at_least(bad, "train.eval_every", train.eval_every, 0)
+    if train.global_batch_size < 1 or train.mini_batches < 1 or train.micro_batch_size < 0:
+        return
+    if train.global_batch_size % train.mini_batches:
+        bad(
+            "train.mini_batches",
+            f"train.global_batch_size={train.global_batch_size} does not split into "
+            f"train.mini_batches={train.mini_batches} equal mini-batches.",
+        )
+        return
+    mini = train.global_batch_size // train.mini_batches
+    micro = train.micro_batch_size or mini
+    if mini % micro:
+        bad(
+            "train.micro_batch_size",
+            f"train.micro_batch_size={micro} does not divide the mini-batch of {mini} "
+            "sequences (train.global_batch_size / train.mini_batches).",
+        )
+        return
+    if config.paradigm == "rl" and config.rollout.n_samples >= 1 and train.global_batch_size % config.rollout.n_samples:
+        bad(
+            "train.global_batch_size",
+            f"train.global_batch_size={train.global_batch_size} is not a whole number "
+            f"of groups of rollout.n_samples={config.rollout.n_samples}.",
+        )
+    dp = _data_parallel_size(config.mesh, num_devices)
+    if dp is None:
+        return
+    if train.global_batch_size % dp:
+        bad(
+            "train.global_batch_size",
+            f"train.global_batch_size={train.global_batch_size} is not divisible by "
+            f"the data-parallel size {dp} (mesh.data x mesh.fsdp).",
+        )
+    elif micro % dp:
+        bad(
+            "train.micro_batch_size",
+            f"the micro-batch of {micro} sequences is not divisible by the "
+            f"data-parallel size {dp} (mesh.data x mesh.fsdp).",
+        )
+    if num_devices is not None and -1 not in (config.mesh.data, config.mesh.fsdp, config.mesh.tensor):
+        product = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+        if product != num_devices:
+            bad("mesh.data", f"mesh.data x mesh.fsdp x mesh.tensor = {product} but there are {num_devices} devices.")
+
+
+def _check_rollout(config, bad):
+    rollout = config.rollout
+    _choice(bad, "rollout.engine", rollout.engine, ENGINES)
+    _at_least(bad, "rollout.n_samples", rollout.n_samples, 1)
+    _at_least(bad, "rollout.max_new_tokens", rollout.max_new_tokens, 1)
+    _at_least(bad, "rollout.temperature", rollout.temperature, 0.0)
+    _at_least(bad, "rollout.top_k", rollout.top_k, 0)
+    if not 0.0 < rollout.top_p <= 1.0:
+        bad("rollout.top_p", f"rollout.top_p={rollout.top_p} must be in (0, 1].")
+    for key in ("num_workers", "max_slots", "decode_steps_per_dispatch"):
+        _at_least(bad, f"rollout.{key}", rollout[key], 1)
+    if any(not isinstance(s, str) or not s for s in rollout.stop_strings):
+        bad("rollout.stop_strings", f"rollout.stop_strings={rollout.stop_strings!r} must hold non-empty strings.")
+
+
+def _check_algo(config, bad):
+    algo = config.algo
+    traits = ALGORITHM_TRAITS.get(algo.name)
+    if traits is None:
+        bad(
+            "algo.name",
+            f"algo.name={algo.name!r} is not a registered algorithm{suggestion(algo.name, ALGORITHM_TRAITS)}.",
+        )
+    elif config.paradigm in ("sft", "dpo", "rl") and traits.paradigm != config.paradigm:
+        bad("algo.name", f"algo.name={algo.name!r} is a {traits.paradigm} algorithm but paradigm={config.paradigm!r}.")
+    for key in ("kl_coef", "clip_low", "clip_high"):
+        if algo[key] is not None and algo[key] < 0:
+            bad(f"algo.{key}", f"algo.{key}={algo[key]} is negative.")
+    if algo.clip_low is not None and algo.clip_low >= 1:
+        bad(
+            "algo.clip_low", f"algo.clip_low={algo.clip_low} must be below 1 (the ratio's lower bound is 1 - clip_low)."
+        )
+    if algo.loss_agg is not None:
+        _choice(bad, "algo.loss_agg", algo.loss_agg, LOSS_AGGREGATIONS)
+    if algo.reference not in ("none", "initial") and not os.path.isdir(algo.reference):
+        bad("algo.reference", f"algo.reference={algo.reference!r} is neither 'none', 'initial' nor a model folder.")
+    if traits is None or config.paradigm == "eval":
+        return
+    if algo.reference == "none":
+        if traits.paradigm == "dpo" and traits.needs_reference:
+            bad("algo.reference", f"{algo.name} compares against a reference model but algo.reference='none'.")
+        elif algo.kl_coef is not None and algo.kl_coef > 0:
+            bad(
+                "algo.reference",
+                f"algo.kl_coef={algo.kl_coef} penalises the distance to a reference model but "
+                "algo.reference='none'; set algo.reference='initial' or algo.kl_coef=0.",
+            )
+        elif algo.kl_coef is None and traits.needs_reference:
+            bad(
+                "algo.reference",
+                f"{algo.name} uses a reference model with its default algo.kl_coef but "
+                "algo.reference='none'; set algo.kl_coef=0 or algo.reference='initial'.",
+            )
+    if config.paradigm == "rl" and traits.group_based and config.rollout.n_samples < 2:
+        bad(
+            "rollout.n_samples",
+            f"{algo.name} compares samples within a group but rollout.n_samples="
+            f"{config.rollout.n_samples}; it needs at least 2.",
+        )
+    if algo.dynamic_sampling and not traits.group_based:
+        bad(
+            "algo.dynamic_sampling",
+            f"algo.dynamic_sampling drops groups with equal rewards but {algo.name} has no groups.",
+        )
+
+
+def _check_mesh(mesh, bad):
+    sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}
+    for key, size in sizes.items():
+        if size == 0 or size < -1:
+            bad(key, f"{key}={size} must be a positive size or -1 (fill the remaining devices).")
+    free = [key for key, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        bad(free[1], f"only one mesh axis may be -1, but {' and '.join(free)} both are.")
+    if _choice(bad, "mesh.rules", mesh.rules, MESH_RULES) and mesh.tensor > 1 and mesh.rules != "fsdp_tp":
+        bad(
+            "mesh.rules",
+            f"mesh.tensor={mesh.tensor} needs mesh.rules='fsdp_tp' (rules {mesh.rules!r} never "
+            "shard over the tensor axis).",
+        )
+
+
+def _check_misc(config, bad):
+    ckpt = config.checkpoint
+    _at_least(bad, "checkpoint.every_steps", ckpt.every_steps, 0)
+    _at_least(bad, "checkpoint.keep", ckpt.keep, 1)
+    if config.tracking.wandb and not config.tracking.wandb_project:
+        bad("tracking.wandb_project", "tracking.wandb is on but tracking.wandb_project is empty.")
+    ev = config.eval
+    _at_least(bad, "eval.n_samples", ev.n_samples, 1)
+    _at_least(bad, "eval.max_new_tokens", ev.max_new_tokens, 1)
+    _at_least(bad, "eval.temperature", ev.temperature, 0.0)
+    _at_least(bad, "eval.num_prompts", ev.num_prompts, 0)
+    if not ev.k or any(not isinstance(k, int) or not 1 <= k <= ev.n_samples for k in ev.k):
+        bad("eval.k", f"eval.k={ev.k!r} must list integers between 1 and eval.n_samples={ev.n_samples}.")
+    if not ev.split:
+        bad("eval.split", "eval.split must not be empty.")
+    if config.ray.num_cpus is not None:
+        _at_least(bad, "ray.num_cpus", config.ray.num_cpus, 1)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Submit a run to an existing Ray cluster (rollout workers and the trainer become Ray actors on it).
+#
+#   RAY_ADDRESS=http://head-node:8265 launch/ray_cluster.sh train --config=configs/grpo_demo.py \
+#       --config.rollout.num_workers=4
+#
+# The job runs `feynrl-jax` on the cluster with this folder as its working directory and
+# `--config.ray.address=auto`, so the driver joins the cluster it was submitted to instead of starting its own.
+# Every node needs the same Python environment (`pip install -e .` in the image or a runtime_env).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${RAY_ADDRESS:?set RAY_ADDRESS to the dashboard address of the cluster, e.g. http://head-node:8265}"
+command="${1:?usage: launch/ray_cluster.sh train|eval --config=... [overrides]}"
+shift
+exec ray job submit --address="${RAY_ADDRESS}" --working-dir=. \
+  --runtime-env-json='{"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}' \
+  -- feynrl-jax "${command}" "$@" --config.ray.address=auto
