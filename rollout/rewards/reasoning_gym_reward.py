@@ -47,7 +47,8 @@ def reasoning_gym_reward(
       completion: the generated text.
       example: the data row: a reasoning-gym entry, or a row that carries its fields. ``example[metadata_key]``
         is the entry's metadata (a dict, or its JSON string as stored in Parquet/JSONL files) with
-        ``"source_dataset"``; ``example[answer_key]`` is the oracle answer.
+        ``"source_dataset"``, or a dict that holds the whole original entry under ``"entry"`` (the layout of
+        ``feynrl_jax.data``'s reasoning-gym source); ``example[answer_key]`` is the oracle answer.
       answer_key: the field holding the oracle answer.
       metadata_key: the field holding the entry's metadata.
       question_key: the field holding the question.
@@ -66,6 +67,8 @@ def reasoning_gym_reward(
     metadata = example[metadata_key]
     if isinstance(metadata, str):
         metadata = json.loads(metadata)
+    if isinstance(metadata, dict) and "source_dataset" not in metadata and isinstance(metadata.get("entry"), dict):
+        metadata = metadata["entry"].get("metadata", metadata)
     if not isinstance(metadata, dict) or "source_dataset" not in metadata:
         raise ValueError(f"example field {metadata_key!r} must be a dict with 'source_dataset', got {metadata!r}")
     entry = {
