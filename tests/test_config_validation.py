@@ -116,6 +116,10 @@ def _jsonl_without_path(config):
     add_data_source(config, "extra", data_source("jsonl"))
 
 
+def _options_on_a_file_source(config):
+    add_data_source(config, "extra", data_source("jsonl", path="x.jsonl", options={"max_terms": 2}))
+
+
 # (id, build a bad config, the one key the error must name)
 BAD_CONFIGS = [
     ("unknown_key", _with(rl_config, _unknown_key), "optim.lrr"),
@@ -189,6 +193,7 @@ BAD_CONFIGS = [
     ("kv_heads_do_not_divide", _set("model.arch.num_kv_heads", 3), "model.arch.num_kv_heads"),
     ("unknown_source_kind", _with(rl_config, _bad_source_kind), "data.sources.extra.kind"),
     ("jsonl_without_path", _with(rl_config, _jsonl_without_path), "data.sources.extra.path"),
+    ("options_on_a_file_source", _with(rl_config, _options_on_a_file_source), "data.sources.extra.options"),
     ("zero_source_weight", _set("data.sources.sums.weight", 0.0), "data.sources.sums.weight"),
     ("no_train_source", _set("data.sources.sums.split", "test"), "data.sources"),
     ("no_eval_source", _set("eval.split", "validation"), "eval.split"),
@@ -309,3 +314,30 @@ def test_base_config_has_every_section_and_is_locked():
     assert config.data.sources.is_locked and config.data.sources.a.is_locked
     config.data.sources.a.weight = 0.5  # What --config.data.sources.a.weight=0.5 does.
     assert config.data.sources.a.weight == 0.5
+
+
+def test_dpo_batches_count_pairs_as_two_rows_for_data_parallelism():
+    """4 pairs are 8 rows: they split over 8 data-parallel devices although 4 sequences would not."""
+    config = load("dpo_smollm2", "tiny")
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 8, 1, 1
+    config.train.global_batch_size, config.train.mini_batches, config.train.micro_batch_size = 4, 1, 0
+    validate(config, num_devices=8)
+    config.train.global_batch_size = 3
+    with pytest.raises(ConfigError, match=r"global_batch_size=3 pairs \(2 rows each\)"):
+        validate(config, num_devices=8)
+
+
+def test_reasoning_gym_options_are_keys_the_command_line_can_set():
+    from feynrl_jax.config.validation import known_keys
+    from feynrl_jax.data.from_config import build_source
+
+    config = rl_config()
+    options = {"min_terms": 3, "max_terms": 3, "max_digits": 1}
+    add_data_source(config, "small", data_source("reasoning_gym", task="basic_arithmetic", size=8, options=options))
+    assert "data.sources.small.options.max_terms" in known_keys(config)
+    config.data.sources.small.options.min_terms = 2
+    config.data.sources.small.options.max_terms = 2
+    validate(config)
+    source = build_source("small", config.data.sources.small, paradigm="rl", on_bad_row="error")
+    terms = {example["metadata"]["entry"]["metadata"]["num_terms"] for example in source.examples}
+    assert terms == {2}

@@ -100,6 +100,10 @@ def base_config() -> ConfigDict:
     config.rollout.max_slots = 32  # Sequences decoded concurrently per worker.
     config.rollout.decode_steps_per_dispatch = 8  # Decode steps per jitted call before refilling slots.
     config.rollout.stop_strings = ()  # Generation stops after any of these strings (plus EOS).
+    config.rollout.rewards = ConfigDict({"reasoning_gym": 1.0})  # RL: reward spec -> weight (rewards registry).
+    config.rollout.reward_workers = 1  # RL: reward-scoring processes (inside the reward actor).
+    config.rollout.reward_timeout_s = 10.0  # RL: bound on one reward call; a timeout scores 0 and is counted.
+    config.rollout.max_retries = 2  # RL: retries of a step's generation after a rollout worker dies.
 
     config.algo = ConfigDict()
     config.algo.name = "grpo"  # A key of `feynrl_jax.losses.ALGORITHMS`.
@@ -110,6 +114,10 @@ def base_config() -> ConfigDict:
     config.algo.reference = "initial"  # "none" | "initial" (the starting policy) | a path to a model.
     config.algo.hparams = ConfigDict()  # Other hyperparameters of the algorithm, by name (see losses/README).
     config.algo.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal and refill.
+    config.algo.max_refill_draws = 4  # DAPO dynamic sampling: extra prompt draws per step to refill the batch.
+    config.algo.critic_lr = 1e-5  # PPO: learning rate of the critic (its own AdamW, otherwise `optim`).
+    config.algo.gae_gamma = 1.0  # PPO: GAE discount.
+    config.algo.gae_lambda = 0.95  # PPO: GAE lambda.
     config.algo.reference_mode = "per_batch"  # DPO: "per_batch" (reference forward each step) | "precompute".
 
     config.mesh = ConfigDict()  # Device mesh ("data", "fsdp", "tensor"); one size may be -1 (the rest).
@@ -138,12 +146,14 @@ def base_config() -> ConfigDict:
     config.eval.num_prompts = 100  # 0: the whole split.
     config.eval.split = "test"
     config.eval.during_training = True  # SFT/DPO loops: evaluate at the start, every train.eval_every, at the end.
-    config.eval.reward = "reasoning_gym"  # Reward spec deciding correctness (feynrl_jax.rollout.rewards registry).
+    config.eval.reward = "reasoning_gym"  # Reward deciding correctness (rewards registry); "": no generation eval.
     config.eval.success_threshold = 1.0  # A sample is correct when its reward >= this (empty: always wrong).
 
     config.ray = ConfigDict()
     config.ray.address = placeholder(str)  # None: start Ray locally; else e.g. "ray://head:10001" or "auto".
     config.ray.num_cpus = placeholder(int)  # None: every CPU of the machine (local Ray only).
+    config.ray.max_restarts = 3  # Restarts of a dead actor (rollout workers, reward scorer) before giving up.
+    config.ray.log_to_driver = True  # Forward the actors' stdout/stderr to the driver.
 
     config.lock()
     return config
@@ -159,6 +169,7 @@ def data_source(
     size: int = 1000,
     seed: int = 0,
     fields: dict[str, str] | None = None,
+    options: dict[str, object] | None = None,
 ) -> ConfigDict:
     """One named data source, with every field present so the command line can override any of them.
 
@@ -171,6 +182,9 @@ def data_source(
         size: examples generated for procedural sources (reasoning-gym).
         seed: generator seed for procedural sources.
         fields: column names in the file: prompt, response, chosen, rejected, answer.
+        options: the task's own generator settings, for reasoning-gym sources only (e.g.
+            `{"min_terms": 2, "max_terms": 2, "max_digits": 1}` for basic_arithmetic); each becomes a key that
+            the command line can override: `--config.data.sources.<name>.options.max_digits=2`.
 
     Returns:
         A `ConfigDict` for `config.data.sources.<name>`.
@@ -192,6 +206,7 @@ def data_source(
     source.size = size
     source.seed = seed
     source.fields = ConfigDict(columns)
+    source.options = ConfigDict(dict(options or {}))
     return source
 
 

@@ -43,9 +43,11 @@ def flatten(config: ConfigDict, prefix: str = "") -> Iterator[tuple[str, object]
 def known_keys(config: ConfigDict) -> list[str]:
     """Every dotted path that may appear in `config`: the schema's, plus those of its data sources."""
     keys = [path for path, _ in flatten(base_config())]
-    for name in config.data.sources.keys():
+    for name, source in config.data.sources.items():
         keys.append(f"data.sources.{name}")
         keys += [f"data.sources.{name}.{path}" for path, _ in flatten(data_source("jsonl"))]
+        if isinstance(source, ConfigDict) and isinstance(source.get("options"), ConfigDict):
+            keys += [f"data.sources.{name}.options.{path}" for path, _ in flatten(source.options)]
     return keys
 
 
@@ -156,6 +158,8 @@ def _check_data(config, bad):
             continue
         if source.kind in ("jsonl", "parquet", "tfds") and not source.path:
             bad(f"{key}.path", f"{key}.path is unset but a {source.kind} source reads a file.")
+        if source.kind != "reasoning_gym" and source.options.keys():
+            bad(f"{key}.options", f"{key}.options is only read by reasoning_gym sources, not {source.kind}.")
         if source.kind == "reasoning_gym" and not source.task:
             bad(f"{key}.task", f"{key}.task is unset: name a reasoning-gym task, e.g. 'basic_arithmetic'.")
         if source.weight <= 0:
@@ -266,16 +270,19 @@ def _check_batches(config, bad, num_devices):
     dp = _data_parallel_size(config.mesh, num_devices)
     if dp is None:
         return
-    if train.global_batch_size % dp:
+    # Batch sizes count examples; a DPO pair is two rows (chosen, rejected) of the train step's batch.
+    rows = 2 if config.paradigm == "dpo" else 1
+    unit = "pairs (2 rows each)" if rows == 2 else "sequences"
+    if (train.global_batch_size * rows) % dp:
         bad(
             "train.global_batch_size",
-            f"train.global_batch_size={train.global_batch_size} is not divisible by "
+            f"train.global_batch_size={train.global_batch_size} {unit} is not divisible by "
             f"the data-parallel size {dp} (mesh.data x mesh.fsdp).",
         )
-    elif micro % dp:
+    elif (micro * rows) % dp:
         bad(
             "train.micro_batch_size",
-            f"the micro-batch of {micro} sequences is not divisible by the "
+            f"the micro-batch of {micro} {unit} is not divisible by the "
             f"data-parallel size {dp} (mesh.data x mesh.fsdp).",
         )
     if num_devices is not None and -1 not in (config.mesh.data, config.mesh.fsdp, config.mesh.tensor):

@@ -85,6 +85,7 @@ def build_source(
             size=source_cfg.size,
             seed=source_cfg.seed,
             split=source_cfg.split,
+            config=source_cfg.options.to_dict() or None,
             response_template=response_template if paradigm == "sft" else None,
         )
         if paradigm == "dpo":
