@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from feynrl_jax.losses import sequences
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
 from feynrl_jax.losses import sequences
 
 

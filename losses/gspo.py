@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from feynrl_jax.losses import aggregation, kl, off_policy, sequences
 from feynrl_jax.losses import metrics as metrics_lib
 from feynrl_jax.losses.batch import TrainBatch, check_inputs

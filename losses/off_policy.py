@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from feynrl_jax.losses import metrics as metrics_lib
 from feynrl_jax.losses.batch import TrainBatch
 from feynrl_jax.losses.kl import LOG_RATIO_CLAMP

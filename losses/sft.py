@@ -8,6 +8,7 @@ micro-batches and devices combine exactly; see :mod:`aggregation`).
 from __future__ import annotations
 
 import jax
+
 from feynrl_jax.losses import aggregation
 from feynrl_jax.losses import metrics as metrics_lib
 from feynrl_jax.losses.batch import TrainBatch, check_inputs

@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from feynrl_jax.losses import advantages
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from feynrl_jax.losses import advantages
 
 SETTINGS = settings(max_examples=30, deadline=None)
 # Jitted once per shape (shapes come from small pools): far cheaper than eager op-by-op compilation.

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from feynrl_jax.losses import kl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+from feynrl_jax.losses import kl
 
 SETTINGS = settings(max_examples=30, deadline=None)
 # Shapes come from a small pool so eager op compilation is shared between examples (test-time budget).

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from feynrl_jax.losses import ALGORITHMS, LossSum, TrainBatch
 
 # (row id, registry name, hyperparameter overrides). Every registry entry appears with its defaults; extra rows

@@ -13,6 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from feynrl_jax.losses import (
     AGGREGATIONS,
     ALGORITHMS,
@@ -23,8 +26,6 @@ from feynrl_jax.losses import (
     dpo_loss,
     ipo_loss,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 SETTINGS = settings(max_examples=25, deadline=None)
 

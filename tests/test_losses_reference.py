@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from feynrl_jax.losses import ALGORITHMS, TrainBatch
 
 B, T = 6, 7  # 6 rows = 3 DPO pairs (row 2i chosen, 2i + 1 rejected)

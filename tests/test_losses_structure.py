@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from feynrl_jax.losses import LossSum, Metric, TrainBatch, aggregate, combine_metrics, compute_metrics, sequences
-from feynrl_jax.losses import metrics as metrics_lib
 
 from feynrl_jax import losses
+from feynrl_jax.losses import LossSum, Metric, TrainBatch, aggregate, combine_metrics, compute_metrics, sequences
+from feynrl_jax.losses import metrics as metrics_lib
 
 LOSSES_DIR = pathlib.Path(losses.__file__).parent
 ALLOWED_THIRD_PARTY = {"jax", "numpy", "chex"}

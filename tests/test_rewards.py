@@ -14,6 +14,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import reasoning_gym
+
 from feynrl_jax.rollout.rewards import (
     FORMAT_PATTERNS,
     RewardScorer,
@@ -353,9 +354,8 @@ def test_rewards_package_imports_no_losses_ray_or_torch():
 
 def test_reasoning_gym_reward_reads_the_entry_nested_by_the_data_source():
     """`feynrl_jax.data`'s reasoning-gym examples keep the original entry under metadata["entry"]."""
-    from feynrl_jax.rollout.rewards.reasoning_gym_reward import reasoning_gym_reward
-
     from feynrl_jax.data.reasoning_gym_source import reasoning_gym_split
+    from feynrl_jax.rollout.rewards.reasoning_gym_reward import reasoning_gym_reward
 
     train, _ = reasoning_gym_split("basic_arithmetic", train_size=4, eval_size=2, seed=3)
     example = train.examples[0]

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+
 from feynrl_jax.rollout.rewards import RewardScorer, TimeoutProcessPool
 
 TIMEOUT_S = 1.0

@@ -16,13 +16,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
 from feynrl_jax.rollout.rewards.answer_extraction import (
     after_last_gsm8k_marker,
     last_boxed_content,
     last_nonempty_line,
     last_tag_content,
 )
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 # \boxed{} first (priority 0), then the other LaTeX anchors, then plain expressions.
 _EXTRACTION = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())

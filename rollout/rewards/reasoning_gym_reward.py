@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import reasoning_gym
+
 from feynrl_jax.rollout.rewards.answer_extraction import last_nonempty_line, last_tag_content
 
 

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from feynrl_jax.rollout.rewards.overlong_penalty import COMPLETION_LENGTH_KEY
 from feynrl_jax.rollout.rewards.process_pool import STATUS_ERROR, STATUS_TIMEOUT, TimeoutProcessPool
 from feynrl_jax.rollout.rewards.weighted_sum import bind_reward

@@ -1,0 +1,37 @@
+"""The train state: a small frozen pytree that the jitted step takes, donates and returns."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything one optimisation step reads and writes.
+
+    Attributes:
+        params: the model params pytree.
+        opt_state: the optax state (mirrors ``params`` for Adam's moments).
+        step: int32 scalar, the number of updates applied (skipped non-finite steps do not count).
+        nonfinite_streak: int32 scalar, consecutive steps skipped for a non-finite gradient or loss (0 after
+            any applied step).
+        nonfinite_total: int32 scalar, skipped steps since the start of the run.
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    nonfinite_streak: jax.Array
+    nonfinite_total: jax.Array
+
+
+def create_train_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
+    """A fresh state: ``optimizer.init(params)`` and zero counters. Jit it with ``out_shardings`` to place it."""
+    zero = jnp.zeros((), jnp.int32)
+    return TrainState(params, optimizer.init(params), zero, zero, zero)

@@ -1,0 +1,350 @@
+"""The train step: one ``jax.jit`` over the mesh, with donated state and explicit in/out shardings.
+
+``make_train_step`` builds ``step(state, batch) -> (state, metrics)``:
+
+1. the batch ``[B, T]`` is dealt into ``grad_accum`` micro-batches (``microbatch.split_microbatches``);
+2. ``lax.scan`` over them computes the current policy's float32 log-probabilities
+   (``feynrl_jax.models.sequence_logprobs``, entropy too when the algorithm uses it), calls the loss, and
+   accumulates the gradient of the loss's ``total`` together with its ``denom``;
+3. the summed gradient is divided by the summed denominator, so any number of micro-batches gives the
+   gradient of one large batch (the losses return ``(total, denom)``, not means; Tunix's ``WeightedMetric``);
+4. a non-finite gradient or loss skips the update (params and optimizer state unchanged) and increments the
+   counters in ``TrainState``; otherwise the optimizer is applied.
+
+Shardings: params by the logical axes and the rules table; the optimizer state by the params' (matched by tree
+structure); batches over ``("data", "fsdp")`` on ``B``; metrics replicated. XLA's SPMD partitioner inserts the
+all-gathers and reduce-scatters of FSDP and the collectives of tensor parallelism.
+
+Metrics: the loss's own (``loss/...``, combined exactly across micro-batches) plus ``train/loss``,
+``train/loss_denom``, ``train/grad_norm`` (before clipping), ``train/update_skipped``,
+``train/nonfinite_streak``, ``train/nonfinite_total``, ``train/step`` and, given a schedule,
+``train/learning_rate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics, compute_metrics
+from feynrl_jax.models import ModelConfig, init_params, logical_axes, sequence_logprobs
+from feynrl_jax.sharding import (
+    batch_size_multiple,
+    optimizer_state_shardings,
+    param_shardings,
+    place_batch,
+    place_tree,
+    replicated,
+)
+from feynrl_jax.sharding.rules import Rules, batch_pspec
+from feynrl_jax.train.microbatch import check_divisible, split_microbatches
+from feynrl_jax.train.state import TrainState, create_train_state
+
+LogprobFn = Callable[[Any, TrainBatch, bool], tuple[jax.Array, jax.Array | None]]
+"""``(params, batch, with_entropy) -> (logprobs [B, T] f32, entropy [B, T] f32 or None)``."""
+
+
+def model_logprob_fn(
+    config: ModelConfig, *, temperature: float = 1.0, chunk_size: int = 256, remat: str | None = None
+) -> LogprobFn:
+    """The policy's log-probabilities of ``batch.tokens`` under ``config``'s model (contract alignment).
+
+    Args:
+        config: the model config.
+        temperature: the sampling temperature the rollouts used (logits are divided by it).
+        chunk_size: sequence positions per chunk of the output projection (bounds the ``[B, T, V]`` logits).
+        remat: rematerialisation policy for the layers ("none", "full", "dots"; None: ``config.remat``).
+
+    Returns:
+        A ``LogprobFn``.
+    """
+
+    def fn(params: Any, batch: TrainBatch, with_entropy: bool) -> tuple[jax.Array, jax.Array | None]:
+        return sequence_logprobs(
+            params,
+            batch.tokens,
+            batch.positions,
+            config=config,
+            segment_ids=batch.segment_ids,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=chunk_size,
+            remat=remat,
+        )
+
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """A compiled-on-first-call train step and the shardings it runs with.
+
+    Call it as ``state, metrics = train_step(state, batch)``; ``state`` is donated (do not reuse the argument).
+
+    Attributes:
+        mesh: the device mesh.
+        state_shardings: ``TrainState`` of ``NamedSharding``.
+        grad_accum: the number of micro-batches per step.
+        rows_per_example: rows kept together in one micro-batch (2 for DPO pairs).
+    """
+
+    mesh: Mesh
+    state_shardings: TrainState
+    grad_accum: int
+    rows_per_example: int
+    _jitted: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]
+    _init: Callable[[Any], TrainState]
+    _traces: list[int]
+
+    def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+        check_divisible(batch.tokens.shape[0], self.grad_accum, self.rows_per_example, batch_size_multiple(self.mesh))
+        return self._jitted(state, batch)
+
+    @property
+    def trace_count(self) -> int:
+        """How many times the step function has been traced (one per new batch shape or dtype)."""
+        return self._traces[0]
+
+    def init_state(self, params: Any) -> TrainState:
+        """Places ``params`` on the mesh and builds the optimizer state there (never unsharded on one device).
+
+        Args:
+            params: host or device params (identical on every process).
+
+        Returns:
+            The sharded ``TrainState`` with zero counters.
+        """
+        return self._init(place_tree(params, self.state_shardings.params))
+
+    def place_batch(self, batch: TrainBatch) -> TrainBatch:
+        """Places a global batch (held in full by every process) with rows over ``("data", "fsdp")``."""
+        return place_batch(batch, self.mesh)
+
+
+def _constrain_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, batch_pspec(x.ndim))), batch)
+
+
+def _fold_metrics(stacked: dict[str, Any], num: int) -> dict[str, Any]:
+    folded = jax.tree.map(lambda x: x[0], stacked)
+    for m in range(1, num):
+        folded = combine_metrics(folded, jax.tree.map(lambda x, m=m: x[m], stacked))
+    return folded
+
+
+def make_train_step(
+    loss_fn: Callable[..., tuple[LossSum, dict[str, Any]]],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    config: ModelConfig | None = None,
+    logprob_fn: LogprobFn | None = None,
+    params_logical_axes: Any = None,
+    params_shape: Any = None,
+    loss_hyperparameters: Mapping[str, Any] | None = None,
+    grad_accum: int = 1,
+    rows_per_example: int = 1,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    logprob_chunk_size: int = 256,
+    remat: str | None = None,
+    learning_rate_fn: optax.Schedule | None = None,
+    donate: bool = True,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> TrainStep:
+    """Builds the jitted train step.
+
+    Args:
+        loss_fn: a loss with the contract signature ``loss(logprobs [B, T], batch, *, entropy=None,
+            **hyperparameters) -> (LossSum, metrics)`` (e.g. ``ALGORITHMS[name].loss_fn``).
+        optimizer: an optax optimizer (e.g. from ``feynrl_jax.train.optimizer.make_optimizer``).
+        mesh: the device mesh (``feynrl_jax.sharding.make_mesh``).
+        rules: a rules table (``feynrl_jax.sharding.RULES[...]``).
+        config: the model config; gives the default ``logprob_fn``, the params' logical axes and shapes.
+        logprob_fn: overrides the model's log-probabilities (a custom model); then ``params_logical_axes`` and
+            ``params_shape`` are required unless ``config`` gives them.
+        params_logical_axes: pytree of logical-axis tuples (default ``logical_axes(config)``).
+        params_shape: pytree of params or ``jax.ShapeDtypeStruct`` (default: the shapes of ``init_params``).
+        loss_hyperparameters: keyword arguments of ``loss_fn`` (clip ranges, KL coefficient, ...).
+        grad_accum: micro-batches per step; ``B`` must be a multiple of
+            ``grad_accum * rows_per_example * data * fsdp``.
+        rows_per_example: consecutive rows that form one example and stay in one micro-batch (2 for DPO).
+        with_entropy: compute the policy entropy and pass it to the loss as ``entropy=``.
+        temperature: sampling temperature of the rollouts (logits are divided by it).
+        logprob_chunk_size: sequence chunk of the output projection.
+        remat: rematerialisation policy passed to the model ("none", "full", "dots"; None: ``config.remat``).
+        learning_rate_fn: the optimizer's schedule, to report ``train/learning_rate``.
+        donate: donate the input state's buffers to the output (halves peak memory; the input is consumed).
+        compiler_options: XLA options for this program (e.g. ``{"xla_backend_optimization_level": 0}`` to
+            compile tiny CPU test models fast, or GPU scheduler flags).
+
+    Returns:
+        A ``TrainStep``: call it as ``state, metrics = step(state, batch)``; ``step.init_state(params)`` makes
+        the sharded initial state.
+
+    Raises:
+        ValueError: when neither ``config`` nor a complete custom ``logprob_fn`` set-up is given, or
+            ``grad_accum`` / ``rows_per_example`` are not positive.
+    """
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    if rows_per_example < 1:
+        raise ValueError(f"rows_per_example must be >= 1, got {rows_per_example}")
+    if logprob_fn is None:
+        if config is None:
+            raise ValueError("make_train_step needs `config` (the model) or a custom `logprob_fn`")
+        logprob_fn = model_logprob_fn(config, temperature=temperature, chunk_size=logprob_chunk_size, remat=remat)
+    if params_logical_axes is None:
+        if config is None:
+            raise ValueError("a custom `logprob_fn` without `config` needs `params_logical_axes`")
+        params_logical_axes = logical_axes(config)
+    if params_shape is None:
+        if config is None:
+            raise ValueError("a custom `logprob_fn` without `config` needs `params_shape`")
+        params_shape = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+    hyperparameters = dict(loss_hyperparameters or {})
+
+    p_shardings = param_shardings(params_logical_axes, mesh, rules, shapes=params_shape)
+    rep = replicated(mesh)
+    state_shardings = TrainState(
+        params=p_shardings,
+        opt_state=optimizer_state_shardings(optimizer.init, params_shape, p_shardings, mesh),
+        step=rep,
+        nonfinite_streak=rep,
+        nonfinite_total=rep,
+    )
+    traces = [0]
+
+    def micro_loss(params: Any, micro: TrainBatch) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
+        logprobs, entropy = logprob_fn(params, micro, with_entropy)
+        extra = {"entropy": entropy} if with_entropy else {}
+        loss_sum, metrics = loss_fn(logprobs.astype(jnp.float32), micro, **extra, **hyperparameters)
+        return loss_sum.total, (loss_sum.denom, metrics)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def micro_grads(params: Any, micro: TrainBatch) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
+        (total, (denom, metrics)), grads = grad_fn(params, _constrain_batch(micro, mesh))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        grads = jax.lax.with_sharding_constraint(grads, p_shardings)
+        return grads, total.astype(jnp.float32), denom.astype(jnp.float32), metrics
+
+    def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+        traces[0] += 1
+        params = state.params
+        if grad_accum == 1:
+            grads, total, denom, metrics = micro_grads(params, batch)
+        else:
+            micro = split_microbatches(batch, grad_accum, rows_per_example)
+
+            def body(carry, one):
+                g_acc, t_acc, d_acc = carry
+                g, t, d, m = micro_grads(params, one)
+                return (jax.tree.map(jnp.add, g_acc, g), t_acc + t, d_acc + d), m
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            zeros = jax.lax.with_sharding_constraint(zeros, p_shardings)
+            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+            (grads, total, denom), stacked = jax.lax.scan(body, init, micro)
+            metrics = _fold_metrics(stacked, grad_accum)
+
+        safe_denom = jnp.where(denom != 0, denom, 1.0)
+        grads = jax.tree.map(lambda g: g / safe_denom, grads)
+        loss = jnp.where(denom != 0, total / safe_denom, 0.0)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)
+        streak = jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32)
+        new_state = TrainState(
+            params=jax.tree.map(keep, new_params, params),
+            opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
+            step=state.step + finite.astype(jnp.int32),
+            nonfinite_streak=streak,
+            nonfinite_total=state.nonfinite_total + (~finite).astype(jnp.int32),
+        )
+        out = dict(compute_metrics(metrics))
+        out.update(
+            {
+                "train/loss": loss,
+                "train/loss_denom": denom,
+                "train/grad_norm": grad_norm,
+                "train/update_skipped": (~finite).astype(jnp.float32),
+                "train/nonfinite_streak": new_state.nonfinite_streak,
+                "train/nonfinite_total": new_state.nonfinite_total,
+                "train/step": new_state.step,
+            }
+        )
+        if learning_rate_fn is not None:
+            out["train/learning_rate"] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)
+        return new_state, out
+
+    batch_in = NamedSharding(mesh, batch_pspec(1))
+    options = dict(compiler_options) if compiler_options else None
+    jitted = jax.jit(
+        step,
+        in_shardings=(state_shardings, batch_in),
+        out_shardings=(state_shardings, rep),
+        donate_argnums=(0,) if donate else (),
+        compiler_options=options,
+    )
+    init = jax.jit(
+        lambda params: create_train_state(params, optimizer),
+        in_shardings=(p_shardings,),
+        out_shardings=state_shardings,
+        compiler_options=options,
+    )
+    return TrainStep(mesh, state_shardings, grad_accum, rows_per_example, jitted, init, traces)
+
+
+def make_algorithm_train_step(
+    algorithm: Algorithm,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    config: ModelConfig,
+    hyperparameters: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> TrainStep:
+    """``make_train_step`` for an ``Algorithm`` of the registry (``feynrl_jax.losses.ALGORITHMS[name]``).
+
+    The loss is ``algorithm.make_loss(**hyperparameters)`` (the algorithm's defaults, overridden); entropy is
+    computed when ``algorithm.uses_entropy``; DPO-style algorithms keep chosen/rejected pairs in one micro-batch.
+
+    Args:
+        algorithm: the ``Algorithm`` record.
+        optimizer: the optax optimizer.
+        mesh: the mesh.
+        rules: the rules table.
+        config: the model config.
+        hyperparameters: overrides of the algorithm's defaults (every key must be one of them).
+        **kwargs: the other keyword arguments of ``make_train_step``.
+
+    Raises:
+        ValueError: naming an unknown hyperparameter, or a critic-based algorithm (no value head here yet).
+    """
+    if algorithm.needs_critic:
+        raise ValueError(
+            f"algorithm {algorithm.name!r} needs a critic (values), which make_train_step does not compute"
+        )
+    return make_train_step(
+        algorithm.make_loss(**dict(hyperparameters or {})),
+        optimizer,
+        mesh,
+        rules,
+        config=config,
+        with_entropy=algorithm.uses_entropy,
+        rows_per_example=2 if algorithm.paradigm == "dpo" else 1,
+        **kwargs,
+    )

@@ -1,0 +1,113 @@
+"""Two processes joined by ``jax.distributed`` (4 fake CPU devices each, coordinator on loopback) run the same
+sharded train step as one process and must agree with it.
+
+The file is also the worker: ``python tests/test_multihost_train_step.py OUT.npz`` with the ``FEYNRL_*``
+variables set joins the job through ``feynrl_jax.sharding.initialize_distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MESH_NAME = "fsdp4_tp2"
+PROCESSES = 2
+
+
+def _worker(out_path: str) -> None:
+    import jax
+    from jax.experimental import multihost_utils
+
+    from feynrl_jax.sharding import initialize_distributed, place_process_batch
+
+    spec = initialize_distributed(initialization_timeout=120)
+    assert spec.source == "explicit" and jax.process_count() == PROCESSES, (spec, jax.process_count())
+    assert jax.local_device_count() == 4 and jax.device_count() == 8
+
+    from test_train_step import STEPS, build_step, initial_params, make_batch
+
+    train_step = build_step("grpo", MESH_NAME)
+    # The mesh spans both processes; every process passes the same host params and batches.
+    assert {d.process_index for d in train_step.mesh.devices.flat} == {0, 1}
+    state = train_step.init_state(initial_params())
+    losses = []
+    for i in range(STEPS):
+        full = make_batch("grpo", seed=i)
+        if i % 2:
+            # A real pipeline: each process reads only its own half of the rows.
+            rows = full.tokens.shape[0] // PROCESSES
+            mine_rows = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+            mine = jax.tree.map(lambda x, r=mine_rows: x[r], full)
+            batch = place_process_batch(mine, train_step.mesh)
+            gathered = multihost_utils.process_allgather(batch.tokens, tiled=True)
+            np.testing.assert_array_equal(np.asarray(gathered), full.tokens)
+        else:
+            batch = train_step.place_batch(full)
+        state, metrics = train_step(state, batch)
+        losses.append(float(metrics["train/loss"]))
+    params = multihost_utils.process_allgather(state.params, tiled=True)
+    if jax.process_index() == 0:
+        flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+        np.savez(out_path, losses=np.asarray(losses), trace_count=train_step.trace_count, **flat)
+    jax.distributed.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one_process(tmp_path: Path):
+    import jax
+    from test_train_step import max_relative_difference, run
+
+    out = tmp_path / "params.npz"
+    port = _free_port()
+    procs = []
+    for rank in range(PROCESSES):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "FEYNRL_", "TPU_"))}
+        env.update(
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            FEYNRL_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            FEYNRL_NUM_PROCESSES=str(PROCESSES),
+            FEYNRL_PROCESS_ID=str(rank),
+            PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")]),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
+    # The one-process references compile and run while the workers do.
+    reference, single = run("grpo", MESH_NAME), run("grpo", "single")
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=420)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("multi-process workers did not finish within 420 s")
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"process {rank} failed:\n{log[-4000:]}"
+
+    got = np.load(out)
+    assert int(got["trace_count"]) == 1
+    want_params = reference.params[-1]
+    got_params = jax.tree_util.tree_map_with_path(lambda p, _: got[jax.tree_util.keystr(p)], want_params)
+    assert max_relative_difference(got_params, want_params) < 1e-5
+    np.testing.assert_allclose(got["losses"], [m["train/loss"] for m in reference.metrics], rtol=1e-5)
+    assert max_relative_difference(got_params, single.params[-1]) < 1e-5
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -1,0 +1,227 @@
+"""The sharded train step on 8 fake CPU devices: parity with one device, exact accumulation, no retrace,
+sharded memory, non-finite skipping, and the no-gradient log-probabilities.
+
+One module-level cache runs each (algorithm, mesh, grad_accum) configuration once; the tests read from it, so
+the suite compiles each step program a single time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from feynrl_jax.losses import ALGORITHMS, TrainBatch
+from feynrl_jax.models import ModelConfig, init_params, logical_axes, sequence_logprobs
+from feynrl_jax.sharding import RULES, make_mesh, param_shardings, place_tree, tree_bytes_per_device
+from feynrl_jax.train.frozen_logprobs import make_logprob_fn
+from feynrl_jax.train.nonfinite import NonFiniteError, NonFiniteGuard
+from feynrl_jax.train.optimizer import make_optimizer
+from feynrl_jax.train.step import make_algorithm_train_step, make_train_step, model_logprob_fn
+
+CONFIG = ModelConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
+B, T, STEPS = 16, 16, 3
+MESHES = {"single": ((1, 1, 1), "dp"), "fsdp8": ((1, 8, 1), "fsdp"), "fsdp4_tp2": ((1, 4, 2), "fsdp_tp")}
+HYPERPARAMETERS = {"grpo": {"kl_coef": 0.05}, "dpo": {"beta": 0.1}}
+# These programs are tiny: compile time dominates, so LLVM's optimisations are switched off (4x faster).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def make_batch(algorithm: str, seed: int, rows: int = B) -> TrainBatch:
+    """A random batch: prompt of 6 tokens, completion after it, some rows right-padded."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CONFIG.vocab_size, (rows, T)).astype(np.int32)
+    lengths = rng.integers(9, T + 1, rows)
+    if algorithm == "dpo":
+        lengths[1::2] = np.maximum(lengths[1::2] - 2, 8)
+    real = np.arange(T)[None, :] < lengths[:, None]
+    segment_ids = real.astype(np.int32)
+    positions = np.where(real, np.arange(T)[None, :], 0).astype(np.int32)
+    loss_mask = (real & (np.arange(T)[None, :] >= 6)).astype(np.float32)
+    advantages = np.repeat(rng.standard_normal((rows, 1)), T, axis=1).astype(np.float32) * loss_mask
+    # Old and reference log-probabilities near the random model's (about -log V), so ratios clip sometimes.
+    base = -np.log(CONFIG.vocab_size)
+    old = (base + 0.15 * rng.standard_normal((rows, T))).astype(np.float32) * loss_mask
+    ref = (base + 0.15 * rng.standard_normal((rows, T))).astype(np.float32) * loss_mask
+    return TrainBatch(tokens, positions, segment_ids, loss_mask, advantages, old, ref_logprobs=ref)
+
+
+@functools.cache
+def initial_params():
+    return jax.tree.map(np.asarray, init_params(CONFIG, jax.random.key(0)))
+
+
+def build_step(algorithm: str, mesh_name: str, grad_accum: int = 1):
+    sizes, rules = MESHES[mesh_name]
+    mesh = make_mesh(*sizes, devices=jax.devices()[:1] if mesh_name == "single" else None)
+    optimizer, schedule = make_optimizer(1e-4, warmup_steps=1, total_steps=10, weight_decay=0.01)
+    return make_algorithm_train_step(
+        ALGORITHMS[algorithm],
+        optimizer,
+        mesh,
+        RULES[rules],
+        config=CONFIG,
+        hyperparameters=HYPERPARAMETERS[algorithm],
+        grad_accum=grad_accum,
+        logprob_chunk_size=8,
+        learning_rate_fn=schedule,
+        compiler_options=FAST_COMPILE,
+    )
+
+
+@dataclasses.dataclass
+class Run:
+    step: object
+    params: list  # host params after each step
+    metrics: list
+    state: object  # the final (device) state
+
+
+@functools.cache
+def run(algorithm: str, mesh_name: str, grad_accum: int = 1) -> Run:
+    train_step = build_step(algorithm, mesh_name, grad_accum)
+    state = train_step.init_state(initial_params())
+    params, metrics = [], []
+    for i in range(STEPS):
+        state, m = train_step(state, train_step.place_batch(make_batch(algorithm, seed=i)))
+        params.append(jax.tree.map(np.asarray, state.params))
+        metrics.append({k: float(v) for k, v in m.items()})
+    return Run(train_step, params, metrics, state)
+
+
+def max_relative_difference(a, b) -> float:
+    """The largest per-tensor ``||a - b|| / ||b||`` over the params."""
+    diffs = jax.tree.map(lambda x, y: np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30), a, b)
+    return max(jax.tree.leaves(diffs))
+
+
+@pytest.mark.parametrize("mesh_name", ["fsdp8", "fsdp4_tp2"])
+@pytest.mark.parametrize("algorithm", ["grpo", "dpo"])
+def test_sharded_step_matches_single_device(algorithm, mesh_name):
+    sharded, single = run(algorithm, mesh_name), run(algorithm, "single")
+    # The run trained: params moved, and the loss is a real number.
+    assert max_relative_difference(single.params[-1], initial_params()) > 1e-4
+    assert all(np.isfinite(m["train/loss"]) and m["train/update_skipped"] == 0 for m in single.metrics)
+    assert max_relative_difference(sharded.params[-1], single.params[-1]) < 1e-5
+    for got, want in zip(sharded.metrics, single.metrics, strict=True):
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-4, atol=1e-6)
+    # Parameters really live sharded (fsdp splits the model dimension of every matrix).
+    q = sharded.state.params["layers"]["q_proj"]["kernel"]
+    assert q.sharding.spec[1] == "fsdp" and len(q.sharding.device_set) == 8
+
+
+@pytest.mark.parametrize("algorithm, mesh_name", [("grpo", "fsdp4_tp2"), ("dpo", "single")])
+def test_gradient_accumulation_equals_one_large_batch(algorithm, mesh_name):
+    accumulated, whole = run(algorithm, mesh_name, grad_accum=4), run(algorithm, mesh_name)
+    assert accumulated.step.grad_accum == 4
+    assert max_relative_difference(accumulated.params[0], whole.params[0]) < 1e-6
+    # Loss metrics combine exactly across micro-batches.
+    got, want = accumulated.metrics[0], whole.metrics[0]
+    np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5, atol=1e-7)
+
+
+def test_second_call_with_the_same_shapes_does_not_compile_again():
+    result = run("grpo", "fsdp8")
+    assert result.step.trace_count == 1
+    assert result.step._jitted._cache_size() == 1
+
+
+def test_fsdp8_holds_one_eighth_of_params_and_optimizer_state_per_device():
+    sharded, single = run("grpo", "fsdp8").state, run("grpo", "single").state
+    unsharded = sum(x.nbytes for x in jax.tree.leaves((single.params, single.opt_state)))
+    per_device = tree_bytes_per_device((sharded.params, sharded.opt_state))
+    assert len(per_device) == 8
+    # Only the norm scales and scalar counters are replicated.
+    assert unsharded / 8 <= max(per_device.values()) <= 1.05 * unsharded / 8
+    assert tree_bytes_per_device((single.params, single.opt_state)) == {jax.devices()[0]: unsharded}
+
+
+def test_nonfinite_gradient_skips_the_update_and_the_guard_stops_the_run():
+    train_step = run("grpo", "single").step
+    state = train_step.init_state(initial_params())
+    guard = NonFiniteGuard(max_consecutive=1)
+    bad = make_batch("grpo", seed=0)
+    bad = dataclasses.replace(bad, advantages=np.where(bad.loss_mask > 0, np.nan, 0.0).astype(np.float32))
+    state, metrics = train_step(state, train_step.place_batch(bad))
+    assert float(metrics["train/update_skipped"]) == 1.0 and int(metrics["train/nonfinite_streak"]) == 1
+    assert int(state.step) == 0
+    assert max_relative_difference(jax.tree.map(np.asarray, state.params), initial_params()) == 0.0
+    guard.check(metrics, step=1)  # one skip is tolerated
+    state, metrics = train_step(state, train_step.place_batch(bad))
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient or loss for 2 consecutive steps at step 2"):
+        guard.check(metrics, step=2)
+    # A finite batch applies the update and resets the streak, keeping the total.
+    state, metrics = train_step(state, train_step.place_batch(make_batch("grpo", seed=0)))
+    assert int(metrics["train/nonfinite_streak"]) == 0 and int(metrics["train/nonfinite_total"]) == 2
+    assert int(state.step) == 1
+    guard.check(metrics)
+    # ... and gives exactly the first update of the run that never saw the bad batches.
+    assert max_relative_difference(jax.tree.map(np.asarray, state.params), run("grpo", "single").params[0]) == 0.0
+
+
+def test_batch_size_that_does_not_split_is_rejected_before_running():
+    train_step = build_step("dpo", "single", grad_accum=4)
+    batch = make_batch("dpo", seed=0, rows=12)
+    with pytest.raises(ValueError, match=r"batch of 12 rows cannot be split into 4 micro-batch\(es\) of whole 2-row"):
+        train_step(None, batch)
+
+
+def test_algorithm_step_rejects_critics_and_unknown_hyperparameters():
+    mesh = make_mesh(1, 8, 1)
+    optimizer, _ = make_optimizer(1e-4, schedule="constant")
+    with pytest.raises(ValueError, match="'ppo' needs a critic"):
+        make_algorithm_train_step(ALGORITHMS["ppo"], optimizer, mesh, RULES["fsdp"], config=CONFIG)
+    with pytest.raises(ValueError, match=r"no hyperparameter\(s\) \['clip'\]"):
+        make_algorithm_train_step(
+            ALGORITHMS["grpo"], optimizer, mesh, RULES["fsdp"], config=CONFIG, hyperparameters={"clip": 0.1}
+        )
+
+
+def test_reference_logprobs_in_chunks_match_the_model():
+    params = initial_params()
+    batch = make_batch("grpo", seed=3)
+    want, want_entropy = sequence_logprobs(
+        params, batch.tokens, batch.positions, config=CONFIG, segment_ids=batch.segment_ids, with_entropy=True
+    )
+    mesh = make_mesh(1, 4, 2)
+    fn = make_logprob_fn(CONFIG, mesh, RULES["fsdp_tp"], chunk_rows=4, with_entropy=True, compiler_options=FAST_COMPILE)
+    placed = place_tree(params, param_shardings(logical_axes(CONFIG), mesh, RULES["fsdp_tp"], shapes=params))
+    got, entropy = fn(placed, batch.tokens, batch.positions, batch.segment_ids)
+    assert got.shape == (B, T) and {s.data.shape for s in got.addressable_shards} == {(B // 4, T)}
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(entropy), np.asarray(want_entropy), atol=2e-5)
+    assert np.all(np.asarray(got)[:, 0] == 0) and np.all(np.asarray(got)[batch.segment_ids == 0] == 0)
+    with pytest.raises(ValueError, match="not a multiple of chunk_rows=4"):
+        fn(placed, batch.tokens[:6], batch.positions[:6], batch.segment_ids[:6])
+
+
+def test_remat_policy_reaches_the_model():
+    batch = make_batch("grpo", seed=0)
+    params = initial_params()
+
+    def remat_policies(remat):
+        fn = model_logprob_fn(CONFIG, chunk_size=8, remat=remat)
+        text = str(jax.make_jaxpr(jax.grad(lambda p: fn(p, batch, False)[0].sum()))(params))
+        # The model's own output-projection chunks are rematerialised with policy=None in every case.
+        return set(re.findall(r"policy=(\S+)", text)) - {"None"}
+
+    assert remat_policies("none") == set()
+    assert remat_policies("dots") == {"DotsSaveable(only_if_no_batch_dims=True)"}
+    assert remat_policies("full")  # nothing_saveable
+
+
+def test_custom_logprob_fn_needs_axes_and_shapes():
+    mesh = make_mesh(1, 8, 1)
+    optimizer, _ = make_optimizer(1e-4, schedule="constant")
+    loss = ALGORITHMS["sft"].make_loss()
+    with pytest.raises(ValueError, match="needs `config` \\(the model\\) or a custom `logprob_fn`"):
+        make_train_step(loss, optimizer, mesh, RULES["fsdp"])
+    with pytest.raises(ValueError, match="needs `params_logical_axes`"):
+        make_train_step(loss, optimizer, mesh, RULES["fsdp"], logprob_fn=model_logprob_fn(CONFIG))
