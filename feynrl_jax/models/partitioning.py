@@ -1,0 +1,53 @@
+"""Logical axis names of every parameter, for sharding by a rules table (MaxText's `logical_axis_rules`).
+
+The sharding package maps each name to a mesh axis (or None); see `RULES` in `feynrl_jax.sharding`.
+Activation names used by callers: `batch`, `length`, `act_embed`, `act_heads`, `act_kv_heads`, `act_mlp`,
+`act_vocab`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from feynrl_jax.models.config import ModelConfig
+from feynrl_jax.models.decoder import param_shapes
+
+_AXES = {
+    "embed/embedding": ("vocab", "embed"),
+    "layers/attn_norm/scale": ("layers", "norm"),
+    "layers/mlp_norm/scale": ("layers", "norm"),
+    "layers/q_proj/kernel": ("layers", "embed", "heads", "head_dim"),
+    "layers/k_proj/kernel": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers/v_proj/kernel": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers/q_proj/bias": ("layers", "heads", "head_dim"),
+    "layers/k_proj/bias": ("layers", "kv_heads", "head_dim"),
+    "layers/v_proj/bias": ("layers", "kv_heads", "head_dim"),
+    "layers/q_norm/scale": ("layers", "head_dim"),
+    "layers/k_norm/scale": ("layers", "head_dim"),
+    "layers/o_proj/kernel": ("layers", "heads", "head_dim", "embed"),
+    "layers/o_proj/bias": ("layers", "embed"),
+    "layers/gate_proj/kernel": ("layers", "embed", "mlp"),
+    "layers/up_proj/kernel": ("layers", "embed", "mlp"),
+    "layers/down_proj/kernel": ("layers", "mlp", "embed"),
+    "final_norm/scale": ("norm",),
+    "lm_head/kernel": ("embed", "vocab"),
+}
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def param_path(path) -> str:
+    """A pytree key path as the slash-joined name used in the contract table, e.g. `layers/q_proj/kernel`."""
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def logical_axes(config: ModelConfig) -> dict:
+    """A pytree matching `init_params(config, ...)`, each leaf a tuple of logical axis names.
+
+    Tuples are pytrees themselves: map over the result with `is_leaf=lambda x: isinstance(x, tuple)`.
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, shape: _AXES[param_path(path)], param_shapes(config), is_leaf=_is_shape
+    )
