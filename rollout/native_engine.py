@@ -40,7 +40,7 @@ from feynrl_jax.rollout.decode import decode_dispatch
 from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket, prefill
 from feynrl_jax.rollout.slots import DecodeState, deactivate, init_state, insert
 from feynrl_jax.rollout.stop_strings import StopStringMatcher
-from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams
+from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, assemble_rollouts
 
 
 class NativeEngine:
@@ -240,7 +240,17 @@ class NativeEngine:
         finally:
             self._state = state
 
-        result = self._assemble(prompts, rows, out_tokens, out_logprobs, finish, sampling.max_new_tokens)
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        result = assemble_rollouts(
+            prompts,
+            rows,
+            out_tokens,
+            out_logprobs,
+            finish,
+            width=sampling.max_new_tokens,
+            pad_id=pad,
+            policy_version=self.policy_version,
+        )
         generated = int(result.completion_mask.sum())
         self.last_stats = {
             "seconds": time.perf_counter() - start_time,
@@ -312,33 +322,6 @@ class NativeEngine:
         if entry[1] == 0:
             del prefixes[prompt_index]  # every sample inserted: free the prefix KV
         return state
-
-    def _assemble(self, prompts, rows, out_tokens, out_logprobs, finish, width) -> Rollouts:
-        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
-        num = len(rows)
-        prompt_width = max(len(p) for p in prompts)
-        prompt_ids = np.full((num, prompt_width), pad, np.int32)
-        prompt_lengths = np.zeros(num, np.int32)
-        completion_ids = np.full((num, width), pad, np.int32)
-        mask = np.zeros((num, width), np.float32)
-        logprobs = np.zeros((num, width), np.float32)
-        for r, (p, _) in enumerate(rows):
-            prompt_ids[r, : len(prompts[p])] = prompts[p]
-            prompt_lengths[r] = len(prompts[p])
-            length = len(out_tokens[r])
-            completion_ids[r, :length] = out_tokens[r]
-            mask[r, :length] = 1.0
-            logprobs[r, :length] = out_logprobs[r]
-        return Rollouts(
-            prompt_ids=prompt_ids,
-            prompt_lengths=prompt_lengths,
-            completion_ids=completion_ids,
-            completion_mask=mask,
-            behavior_logprobs=logprobs,
-            finish_reason=finish,
-            group_id=np.array([p for p, _ in rows], np.int32),
-            policy_version=np.full(num, self.policy_version, np.int32),
-        )
 
 
 def _floor_pow2(x: int) -> int:

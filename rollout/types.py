@@ -146,6 +146,54 @@ class Rollouts:
         return [row[:length].tolist() for row, length in zip(self.completion_ids, self.completion_lengths)]
 
 
+def assemble_rollouts(
+    prompts: Sequence[Sequence[int]],
+    rows: Sequence[tuple[int, int]],
+    completions: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    finish_reason: np.ndarray,
+    *,
+    width: int,
+    pad_id: int,
+    policy_version: int,
+) -> Rollouts:
+    """Pads the per-row outputs of an engine into a `Rollouts` record (shared by every engine).
+
+    Args:
+      prompts: the prompts of the `generate` call (token ids).
+      rows: `(prompt index, sample index)` of each output row; rows of one prompt are consecutive.
+      completions: each row's generated token ids.
+      logprobs: each row's behaviour log-probabilities, one per generated token.
+      finish_reason: `[N]` int32, `FINISH_STOP` or `FINISH_LENGTH` per row.
+      width: the completion width C (`max_new_tokens`).
+      pad_id: the id written on padding.
+      policy_version: the params version that sampled every row.
+    """
+    num = len(rows)
+    prompt_ids = np.full((num, max(len(p) for p in prompts)), pad_id, np.int32)
+    prompt_lengths = np.zeros(num, np.int32)
+    completion_ids = np.full((num, width), pad_id, np.int32)
+    mask = np.zeros((num, width), np.float32)
+    behavior = np.zeros((num, width), np.float32)
+    for r, (p, _) in enumerate(rows):
+        prompt_ids[r, : len(prompts[p])] = prompts[p]
+        prompt_lengths[r] = len(prompts[p])
+        length = len(completions[r])
+        completion_ids[r, :length] = completions[r]
+        mask[r, :length] = 1.0
+        behavior[r, :length] = logprobs[r]
+    return Rollouts(
+        prompt_ids=prompt_ids,
+        prompt_lengths=prompt_lengths,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        behavior_logprobs=behavior,
+        finish_reason=np.asarray(finish_reason, np.int32),
+        group_id=np.array([p for p, _ in rows], np.int32),
+        policy_version=np.full(num, policy_version, np.int32),
+    )
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the RL loop needs from a rollout engine (native JAX, vLLM, ...)."""

