@@ -188,8 +188,12 @@ def forward(
         # Padding tokens are "written" out of bounds and dropped.
         write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache.k.shape[2])
 
-    def layer(x, layer_in):
-        p, window, ck, cv = layer_in
+    # The cache rides in the scan carry and each layer writes its slice in place (XLA updates a loop-carried
+    # buffer without copying it, and the caller donates the cache); passing it through the scan as xs -> ys
+    # would re-stack the whole [L, B, S, K, Dh] cache on every call.
+    def layer(carry, layer_in):
+        x, ck, cv = carry
+        p, window, index = layer_in
         window = window if any_window else None
         h = rms_norm(x, p["attn_norm"]["scale"], config.rms_norm_eps)
         q = jnp.einsum("btd,dhk->bthk", h, p["q_proj"]["kernel"].astype(dtype))
@@ -206,9 +210,10 @@ def forward(
         if ck is None:
             attn = attend(q, k, v, packed_mask(positions, segment_ids, window))
         else:
-            ck = ck.at[batch_idx, write_idx].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[batch_idx, write_idx].set(v.astype(cv.dtype), mode="drop")
-            attn = attend(q, ck.astype(dtype), cv.astype(dtype), cache_mask(positions, ck.shape[1], window))
+            ck = ck.at[index, batch_idx, write_idx].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[index, batch_idx, write_idx].set(v.astype(cv.dtype), mode="drop")
+            mask = cache_mask(positions, ck.shape[2], window)
+            attn = attend(q, ck[index].astype(dtype), cv[index].astype(dtype), mask)
         out = jnp.einsum("bthk,hkd->btd", attn, p["o_proj"]["kernel"].astype(dtype))
         if "bias" in p["o_proj"]:
             out = out + p["o_proj"]["bias"].astype(dtype)
@@ -217,13 +222,14 @@ def forward(
         gate = jnp.einsum("btd,df->btf", h, p["gate_proj"]["kernel"].astype(dtype))
         up = jnp.einsum("btd,df->btf", h, p["up_proj"]["kernel"].astype(dtype))
         x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"]["kernel"].astype(dtype))
-        return x, (ck, cv)
+        return (x, ck, cv), None
 
     policy = config.remat if remat is None else remat
     if policy != "none":
         layer = jax.checkpoint(layer, policy=_remat_policy(policy), prevent_cse=False)
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
-    x, (ck, cv) = jax.lax.scan(layer, x, (params["layers"], windows, ck, cv))
+    layer_index = jnp.arange(config.num_layers)
+    (x, ck, cv), _ = jax.lax.scan(layer, (x, ck, cv), (params["layers"], windows, layer_index))
     x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
     return x, (None if cache is None else KVCache(k=ck, v=cv))
 

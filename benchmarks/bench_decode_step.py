@@ -1,0 +1,89 @@
+"""Time of one batched decode step (`forward` with a KV cache, then `logits`) against the memory-bandwidth bound.
+
+SmolLM2-135M shapes with random weights (`init_params`), float32, B slots each feeding one token (T=1) at its own
+position into a cache of S positions; the step is jitted with the cache donated, as the native rollout engine
+runs it. A decode step reads every weight once, so it takes at least weight bytes / copy bandwidth (a large numpy
+copy, read + write counted as STREAM's Copy); the ratio says how far the step is from that bound.
+
+Run:
+    python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from feynrl_jax.checkpoints import smollm2_checkpoint_dir  # noqa: E402
+from feynrl_jax.models import KVCache, ModelConfig, forward, init_params, logits  # noqa: E402
+
+
+def copy_bandwidth(size_bytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Host memory bandwidth in bytes/s of a large numpy copy (read + write counted)."""
+    src = np.ones(size_bytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size_bytes / best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--cache-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+
+    config = ModelConfig.from_hf(smollm2_checkpoint_dir())
+    params = init_params(config, jax.random.PRNGKey(0))
+    batch, cache_len = args.batch, args.cache_len
+    shape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)
+    key_k, key_v, key_t = jax.random.split(jax.random.PRNGKey(1), 3)
+    cache = KVCache(k=jax.random.normal(key_k, shape), v=jax.random.normal(key_v, shape))
+    tokens = jax.random.randint(key_t, (batch, 1), 0, config.vocab_size)
+    # Every row at its own position, spread over the cache (continuous batching).
+    positions = jnp.asarray(np.linspace(0, cache_len - 1, batch).astype(np.int32)[:, None])
+
+    def step(params, tokens, positions, cache):
+        hidden, cache = forward(params, tokens, positions, config=config, cache=cache)
+        return logits(params, hidden, config=config), cache
+
+    step = jax.jit(step, donate_argnums=3)
+    start = time.perf_counter()
+    out, cache = step(params, tokens, positions, cache)
+    jax.block_until_ready(out)
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        out, cache = step(params, tokens, positions, cache)
+        jax.block_until_ready((out, cache))
+        times.append(time.perf_counter() - start)
+    step_s = float(np.median(times))
+
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    bandwidth = copy_bandwidth()
+    bound_s = weight_bytes / bandwidth
+    print(f"SmolLM2-135M shapes ({config.num_params / 1e6:.1f}M params, random init), float32, B={batch}, T=1")
+    print(f"cache length S={cache_len}, rows at positions 0..S-1")
+    print(f"devices: {jax.devices()}, cpu cores: {os.cpu_count()}; compile + first step {compile_s:.1f} s")
+    print(f"decode step: median {step_s * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms over {args.steps} steps")
+    print(
+        f"bandwidth bound: weights {weight_bytes / 2**20:.0f} MiB / copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+        f"= {bound_s * 1e3:.1f} ms/step; measured / bound = {step_s / bound_s:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
