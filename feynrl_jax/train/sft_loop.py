@@ -1,0 +1,66 @@
+"""Supervised fine-tuning: `feynrl-jax train --config=configs/sft_<...>.py`.
+
+The loss is the registry's `sft` (masked token cross-entropy on response / assistant tokens); batches come
+from the config's training sources (optionally packed with `segment_ids`); evaluation generates answers to the
+held-out split with the native engine and scores them with `config.eval.reward` (pass@k, accuracy, lengths).
+"""
+
+from __future__ import annotations
+
+from ml_collections import ConfigDict
+
+from feynrl_jax.data.from_config import build_mixture_from_config, build_sources_from_config
+from feynrl_jax.eval.evaluate import evaluator_from_config
+from feynrl_jax.train.supervised_loop import RunContext, SupervisedTask, place, run_supervised, sft_train_batch
+
+
+def train_prompts(config: ConfigDict) -> frozenset:
+    """The raw prompt strings of the training sources (what a held-out evaluation must leave out)."""
+    sources = build_sources_from_config(
+        config.data, paradigm=config.paradigm, split="train", response_template=config.data.response_template
+    )
+    return frozenset(
+        example["prompt"]
+        for source in sources.values()
+        for example in source.examples
+        if isinstance(example.get("prompt"), str)
+    )
+
+
+def make_sft_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
+    """The SFT batches (`train.global_batch_size` rows), the plain `TrainBatch` and the generation eval."""
+    batches = build_mixture_from_config(
+        config.data,
+        context.tokenizer,
+        paradigm="sft",
+        batch_size=config.train.global_batch_size,
+        response_template=config.data.response_template,
+    )
+    evaluator = None
+    if config.eval.during_training and config.eval.reward:
+        evaluator = evaluator_from_config(
+            config,
+            context.model_config,
+            None,
+            context.tokenizer,
+            param_shardings=context.train_step.state_shardings.params,
+            exclude_prompts=train_prompts(config),
+            results_dir=context.run_dir,
+        )
+    return SupervisedTask(
+        batches=batches,
+        to_train_batch=lambda batch: place(context.train_step, sft_train_batch(batch)),
+        evaluate=evaluator,
+        close=evaluator.close if evaluator is not None else (lambda: None),
+    )
+
+
+def run(config: ConfigDict) -> dict[str, float]:
+    """Trains `config` (paradigm "sft") to `config.train.steps`, resuming from the run folder if it can.
+
+    Returns:
+        The last step's metrics, with the final evaluation's.
+    """
+    if config.paradigm != "sft":
+        raise ValueError(f"sft_loop.run needs config.paradigm='sft', got {config.paradigm!r}")
+    return run_supervised(config, make_sft_task)
