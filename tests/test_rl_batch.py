@@ -49,3 +49,57 @@ def test_recomputed_old_logprobs_are_kept_apart_from_behaviour():
 def test_too_long_row_is_named():
     with pytest.raises(ValueError, match="rollout row 0 has 5 tokens.*seq_len=4"):
         rollouts_to_batch(make_rollouts(), np.zeros((2, 3)), seq_len=4, pad_id=PAD)
+
+
+def test_concat_renumbers_groups_and_repads_prompts():
+    from feynrl_jax.train.rl_batch import concat_rollouts
+
+    a = make_rollouts()
+    b = Rollouts(
+        prompt_ids=np.array([[5, 6, 7, 8]], np.int32),
+        prompt_lengths=np.array([4], np.int32),
+        completion_ids=np.array([[9, 0, 0]], np.int32),
+        completion_mask=np.array([[1, 0, 0]], np.float32),
+        behavior_logprobs=np.array([[-1.0, 0, 0]], np.float32),
+        finish_reason=np.array([0], np.int32),
+        group_id=np.array([0], np.int32),
+        policy_version=np.array([4], np.int32),
+    )
+    both = concat_rollouts([a, b])
+    assert both.prompt_ids.shape == (3, 4)
+    np.testing.assert_array_equal(both.prompt_ids[0], [11, 12, 13, 0])
+    np.testing.assert_array_equal(both.group_id, [0, 1, 2])
+    np.testing.assert_array_equal(both.policy_version, [3, 3, 4])
+    with pytest.raises(ValueError, match="completion widths"):
+        concat_rollouts(
+            [
+                a,
+                Rollouts(
+                    **{
+                        **b.__dict__,
+                        "completion_ids": np.zeros((1, 2), np.int32),
+                        "completion_mask": np.zeros((1, 2), np.float32),
+                        "behavior_logprobs": np.zeros((1, 2), np.float32),
+                    }
+                ),
+            ]
+        )
+
+
+def test_constant_reward_groups_and_row_selection():
+    from feynrl_jax.train.rl_batch import constant_reward_groups, select_rows
+
+    rewards = np.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    groups = np.array([0, 0, 1, 1, 2, 2])
+    flat = constant_reward_groups(rewards, groups)
+    np.testing.assert_array_equal(flat, [True, True, False, False, True, True])
+    picked = select_rows(make_rollouts(), np.array([1]))
+    np.testing.assert_array_equal(picked.prompt_ids, [[21, 0, 0]])
+    assert picked.completion_lengths.tolist() == [3]
+
+
+def test_sequence_reward_sits_on_the_last_completion_token():
+    from feynrl_jax.train.rl_batch import sequence_reward_at_last_token
+
+    token_rewards = sequence_reward_at_last_token(np.array([0.5, 2.0]), make_rollouts(), seq_len=6)
+    np.testing.assert_array_equal(token_rewards, [[0, 0, 0, 0, 0.5, 0], [0, 0, 0, 2.0, 0, 0]])

@@ -101,6 +101,7 @@ def base_config() -> ConfigDict:
     config.rollout.decode_steps_per_dispatch = 8  # Decode steps per jitted call before refilling slots.
     config.rollout.stop_strings = ()  # Generation stops after any of these strings (plus EOS).
     config.rollout.rewards = ConfigDict({"reasoning_gym": 1.0})  # RL: reward spec -> weight (rewards registry).
+    config.rollout.reward_kwargs = ConfigDict()  # RL: reward spec -> its keyword arguments, e.g. {"gsm8k": {...}}.
     config.rollout.reward_workers = 1  # RL: reward-scoring processes (inside the reward actor).
     config.rollout.reward_timeout_s = 10.0  # RL: bound on one reward call; a timeout scores 0 and is counted.
     config.rollout.max_retries = 2  # RL: retries of a step's generation after a rollout worker dies.
@@ -147,6 +148,7 @@ def base_config() -> ConfigDict:
     config.eval.split = "test"
     config.eval.during_training = True  # SFT/DPO loops: evaluate at the start, every train.eval_every, at the end.
     config.eval.reward = "reasoning_gym"  # Reward deciding correctness (rewards registry); "": no generation eval.
+    config.eval.reward_kwargs = ConfigDict()  # Keyword arguments of `eval.reward`, e.g. {"fallback_last_number": True}.
     config.eval.success_threshold = 1.0  # A sample is correct when its reward >= this (empty: always wrong).
 
     config.ray = ConfigDict()

@@ -83,10 +83,14 @@ def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
         raise ConfigError(problems)
 
 
+OPEN_SECTIONS = ("algo.hparams.", "rollout.rewards.", "rollout.reward_kwargs.", "eval.reward_kwargs.")
+"""Sections whose keys are names chosen by the experiment (hyperparameters, rewards and their arguments)."""
+
+
 def _check_keys(config, bad):
     allowed = set(known_keys(config))
     for path, _ in flatten(config):
-        if path not in allowed and not path.startswith("algo.hparams."):
+        if path not in allowed and not path.startswith(OPEN_SECTIONS):
             bad(path, f"unknown key {path}{suggestion(path, allowed)}.")
 
 

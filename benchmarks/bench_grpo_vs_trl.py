@@ -1,0 +1,216 @@
+"""GRPO on SmolLM2-135M-Instruct on this CPU: feynrl-jax's Ray sync loop against TRL's `GRPOTrainer`.
+
+Both sides train the same model (the shipped GGUF, converted once to a Hugging Face folder that both load) on
+the same prompts (reasoning-gym `chain_sum`, 2 one-digit terms, the same system prompt and chat template), with
+the same group size, completion length, batch (prompts x group), learning rate, temperature 1, no KL term and
+one optimizer update per step; both score with the project's reasoning-gym reward. Each side runs in its own
+subprocess (JAX and PyTorch never share a process) and reports the wall time of every RL step (generation,
+scoring, update) and the generated tokens per second. The first step is reported apart (JAX compiles there) and
+the comparison uses the mean of the later steps.
+
+Usage:
+    pip install "trl==1.16.0"      # not a dependency of the project (the `bench` extra); torch/transformers unchanged
+    python benchmarks/bench_grpo_vs_trl.py --steps 4 --prompts 4 --group 8 --max-new-tokens 32
+    python benchmarks/bench_grpo_vs_trl.py --which ours      # one side only
+
+Output: one JSON line per side and a summary line with the ratio `trl_seconds_per_step / ours_seconds_per_step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SYSTEM_PROMPT = "Reply with only the final answer."
+TASK, TASK_OPTIONS = "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+
+
+def prompts_for(args) -> list[dict]:
+    """The benchmark's prompts: `steps x prompts` reasoning-gym items, in order (no shuffling on either side)."""
+    from feynrl_jax.data.reasoning_gym_source import reasoning_gym_source
+
+    source = reasoning_gym_source(TASK, size=args.steps * args.prompts, seed=0, config=TASK_OPTIONS)
+    return list(source.examples)
+
+
+def run_ours(args) -> dict:
+    """The feynrl-jax side: `rl_loop.run` on a config with the benchmark's settings."""
+    from feynrl_jax.config.base import add_data_source, base_config, data_source
+    from feynrl_jax.orchestration import rl_loop
+    from feynrl_jax.tracking import read_metrics
+
+    config = base_config()
+    config.paradigm, config.name = "rl", "bench_grpo"
+    config.run_dir = os.path.join(args.workdir, "ours")
+    config.model.gguf = "smollm2"
+    size = args.steps * args.prompts
+    add_data_source(config, "arith", data_source("reasoning_gym", task=TASK, size=size, seed=0, options=TASK_OPTIONS))
+    add_data_source(
+        config,
+        "arith_test",
+        data_source("reasoning_gym", task=TASK, split="test", size=8, seed=0, options=TASK_OPTIONS),
+    )
+    config.data.system_prompt = SYSTEM_PROMPT
+    config.data.max_prompt_len = 64
+    config.data.max_seq_len = 64 + args.max_new_tokens
+    config.algo.name, config.algo.kl_coef, config.algo.reference = "grpo", 0.0, "none"
+    config.rollout.n_samples = args.group
+    config.rollout.max_new_tokens = args.max_new_tokens
+    config.eval.max_new_tokens = args.max_new_tokens
+    config.rollout.max_slots = args.prompts * args.group
+    config.optim.lr = args.lr
+    config.train.steps = args.steps
+    config.train.global_batch_size = args.prompts * args.group
+    config.eval.during_training = False
+    config.checkpoint.every_steps = 0
+    config.checkpoint.async_save = True
+    config.tracking.progress_bar = False
+    config.ray.num_cpus = os.cpu_count()
+    rl_loop.run(config)
+    records = read_metrics(config.run_dir)
+    return {
+        "step_seconds": [r["perf/step_seconds"] for r in records],
+        "generated_tokens": [r["rollout/generated_tokens"] for r in records],
+        "reward_mean": [r["rollout/reward/total/mean"] for r in records],
+    }
+
+
+def run_trl(args) -> dict:
+    """The TRL side: `GRPOTrainer` on the same model folder, prompts and settings, on CPU."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from feynrl_jax.checkpoints import smollm2_checkpoint_dir
+    from feynrl_jax.rollout.rewards.reasoning_gym_reward import reasoning_gym_reward
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    examples = prompts_for(args)
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": e["prompt"]}],
+            "example": json.dumps({"answer": e["answer"], "metadata": e["metadata"], "question": e["prompt"]}),
+        }
+        for e in examples
+    ]
+
+    def reward(prompts, completions, example, **kwargs):
+        return [
+            reasoning_gym_reward("", c[0]["content"], json.loads(x)) for c, x in zip(completions, example, strict=True)
+        ]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin, self.seconds, self.tokens, self.rewards = 0.0, [], [], []
+
+        def on_step_begin(self, *a, **k):
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.seconds.append(time.perf_counter() - self.begin)
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                self.tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
+                self.rewards.append(logs.get("reward", float("nan")))
+
+    config = GRPOConfig(
+        output_dir=os.path.join(args.workdir, "trl"),
+        per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group,
+        max_completion_length=args.max_new_tokens,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=args.steps,
+        beta=0.0,
+        temperature=1.0,
+        num_iterations=1,
+        gradient_accumulation_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+    )
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=smollm2_checkpoint_dir(),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        callbacks=[timer],
+    )
+    trainer.train()
+    return {"step_seconds": timer.seconds, "generated_tokens": timer.tokens, "reward_mean": timer.rewards}
+
+
+def summarise(name: str, result: dict) -> dict:
+    later = result["step_seconds"][1:] or result["step_seconds"]
+    tokens = result["generated_tokens"][1:] or result["generated_tokens"]
+    seconds = sum(later) / len(later)
+    return {
+        "side": name,
+        "first_step_seconds": result["step_seconds"][0],
+        "seconds_per_step": seconds,
+        "generated_tokens_per_second": (sum(tokens) / len(tokens)) / seconds,
+        **result,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--which", choices=("both", "ours", "trl"), default="both")
+    parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # the subprocess's role
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    if args.side is not None:
+        result = run_ours(args) if args.side == "ours" else run_trl(args)
+        print("RESULT " + json.dumps(summarise(args.side, result)), flush=True)
+        return
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_grpo_")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled")
+    sides = ("ours", "trl") if args.which == "both" else (args.which,)
+    results = {}
+    for side in sides:
+        command = [sys.executable, __file__, "--side", side, "--workdir", workdir]
+        command += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
+        command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr)]
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode != 0 or not lines:
+            raise SystemExit(f"{side} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
+        results[side] = json.loads(lines[-1].removeprefix("RESULT "))
+        print(json.dumps(results[side]), flush=True)
+    if len(results) == 2:
+        ratio = results["trl"]["seconds_per_step"] / results["ours"]["seconds_per_step"]
+        print(
+            json.dumps(
+                {
+                    "settings": vars(args) | {"workdir": workdir},
+                    "ours_seconds_per_step": results["ours"]["seconds_per_step"],
+                    "trl_seconds_per_step": results["trl"]["seconds_per_step"],
+                    "speedup_vs_trl": ratio,
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

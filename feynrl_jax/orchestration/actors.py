@@ -1,0 +1,278 @@
+"""The Ray actors of an RL run: parameter store, rollout workers, reward scorer, trainer.
+
+Parameters travel through Ray's shared-memory object store: the trainer fetches its params to host, `ray.put`s
+every leaf and hands the references to `ParamStoreActor` (nested in a list, so Ray passes the references
+instead of resolving them), which keeps them in a `DoubleBufferedStore`. A rollout worker that is behind reads
+the published snapshot (one complete version, never a mix), fetches the leaves and checks the writer's
+checksum before loading them into its engine. The store holds at most two versions; an old version's arrays are
+freed once no reader holds their references.
+
+Each actor imports JAX and its models inside its own process; the driver only moves numpy records between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from feynrl_jax.orchestration.param_store import (
+    DoubleBufferedStore,
+    StoreError,
+    checksum_leaves,
+    flatten_params,
+    unflatten_params,
+)
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote
+class ParamStoreActor:
+    """A `DoubleBufferedStore` whose leaves are Ray object references (each wrapped in a one-element list)."""
+
+    def __init__(self):
+        self._store = DoubleBufferedStore()
+
+    def begin(self, version: int) -> None:
+        self._store.begin(version)
+
+    def write(self, version: int, leaves: Mapping[str, list]) -> None:
+        """Writes `{name: [ObjectRef]}` into the back buffer of `version`."""
+        for name, wrapped in leaves.items():
+            self._store.write(version, name, wrapped)
+
+    def publish(self, version: int, checksum: int) -> int:
+        """Flips `version` to the front with the writer's checksum of the arrays; returns the version."""
+        return self._store.publish(version, checksum=checksum).version
+
+    def latest(self) -> tuple[int, dict[str, list], int] | None:
+        """`(version, {name: [ObjectRef]}, checksum)` of the published version, or None before the first."""
+        snapshot = self._store.latest()
+        if snapshot is None:
+            return None
+        return snapshot.version, dict(snapshot.leaves), snapshot.checksum
+
+    def version(self) -> int:
+        return self._store.version()
+
+    def versions_held(self) -> int:
+        return self._store.versions_held()
+
+
+def publish_params(store: Any, params: Any, version: int) -> dict[str, float]:
+    """Publishes host `params` (a nested dict of numpy arrays) as `version`: begin, write, flip.
+
+    Returns:
+        `perf/publish_bytes` and `perf/publish_put_seconds`.
+    """
+    t0 = time.perf_counter()
+    leaves = {name: np.asarray(leaf) for name, leaf in flatten_params(params).items()}
+    checksum = checksum_leaves(leaves)
+    ray.get(store.begin.remote(version))
+    refs = {name: [ray.put(leaf)] for name, leaf in leaves.items()}
+    ray.get(store.write.remote(version, refs))
+    ray.get(store.publish.remote(version, checksum))
+    return {
+        "perf/publish_bytes": float(sum(leaf.nbytes for leaf in leaves.values())),
+        "perf/publish_put_seconds": time.perf_counter() - t0,
+    }
+
+
+def fetch_params(store: Any, *, verify: bool = True) -> tuple[int, dict[str, Any]] | None:
+    """The store's published version as `(version, nested params of numpy arrays)`, or None before the first.
+
+    Raises:
+        StoreError: when `verify` and the fetched bytes do not match the writer's checksum.
+    """
+    snapshot = ray.get(store.latest.remote())
+    if snapshot is None:
+        return None
+    version, refs, checksum = snapshot
+    names = sorted(refs)
+    arrays = ray.get([refs[name][0] for name in names])
+    leaves = dict(zip(names, arrays, strict=True))
+    if verify and checksum_leaves(leaves) != checksum:
+        raise StoreError(f"version {version}: fetched parameters do not match the publisher's checksum {checksum}")
+    return version, unflatten_params(leaves)
+
+
+def worker_name(run_dir: str, index: int) -> str:
+    """The Ray actor name of rollout worker `index` of the run in `run_dir` (`ray.get_actor(name)` finds it)."""
+    return f"rollout_worker_{index}@{os.path.abspath(run_dir)}"
+
+
+@ray.remote
+class RolloutWorker:
+    """Owns a `NativeEngine`; loads the store's latest params before generating whenever it is behind.
+
+    Args:
+        model_config: the policy's `ModelConfig`.
+        tokenizer_dir: folder of the tokenizer (detokenises for stop strings).
+        store: the `ParamStoreActor` handle.
+        num_slots, cache_len, decode_steps_per_dispatch: engine sizes (`NativeEngine`).
+        index: the worker's index (logs).
+    """
+
+    def __init__(
+        self,
+        model_config: Any,
+        tokenizer_dir: str,
+        store: Any,
+        *,
+        num_slots: int,
+        cache_len: int,
+        decode_steps_per_dispatch: int,
+        index: int,
+    ):
+        from feynrl_jax.checkpoints import load_tokenizer
+
+        self.model_config, self.store, self.index = model_config, store, index
+        self.engine_kwargs = dict(
+            num_slots=num_slots, cache_len=cache_len, decode_steps_per_dispatch=decode_steps_per_dispatch
+        )
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.engine = None
+        self.version = -1
+        self.generating = False
+        self.generate_calls = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def status(self) -> dict[str, Any]:
+        """`{"pid", "version", "generating", "generate_calls"}` (answers while a generation runs)."""
+        return {
+            "pid": os.getpid(),
+            "version": self.version,
+            "generating": self.generating,
+            "generate_calls": self.generate_calls,
+        }
+
+    def sync(self, min_version: int, timeout_s: float = 600.0) -> float:
+        """Loads the published params if they are newer than the engine's; waits for `min_version` to appear.
+
+        Returns:
+            Seconds spent fetching and loading (0 when already current).
+
+        Raises:
+            TimeoutError: `min_version` was not published within `timeout_s`.
+        """
+        if self.version >= min_version:
+            return 0.0
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        while ray.get(self.store.version.remote()) < min_version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout worker {self.index}: version {min_version} not published in {timeout_s}s")
+            time.sleep(0.05)
+        version, params = fetch_params(self.store)
+        if self.engine is None:
+            from feynrl_jax.rollout.native_engine import NativeEngine
+
+            self.engine = NativeEngine(
+                self.model_config,
+                params,
+                detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                policy_version=version,
+                **self.engine_kwargs,
+            )
+        else:
+            self.engine.load_params(params, version)
+        self.version = version
+        return time.perf_counter() - t0
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Any, min_version: int) -> tuple[Any, dict]:
+        """Samples `sampling.n` completions per prompt with params of version >= `min_version`.
+
+        Returns:
+            `(Rollouts, stats)`: the engine's `last_stats` plus `load_seconds`.
+        """
+        self.generating = True
+        self.generate_calls += 1
+        try:
+            load_seconds = self.sync(min_version)
+            rollouts = self.engine.generate(prompts, sampling)
+            return rollouts, {**self.engine.last_stats, "load_seconds": load_seconds}
+        finally:
+            self.generating = False
+
+
+@ray.remote
+class RewardWorker:
+    """A `RewardScorer` (timeout-safe process pool) inside an actor."""
+
+    def __init__(
+        self,
+        specs: Mapping[str, float],
+        *,
+        reward_kwargs: Mapping[str, Mapping[str, Any]],
+        timeout_s: float,
+        num_workers: int,
+    ):
+        from feynrl_jax.rollout.rewards import RewardScorer
+
+        self.scorer = RewardScorer(
+            dict(specs), reward_kwargs=dict(reward_kwargs), timeout_s=timeout_s, num_workers=num_workers
+        )
+
+    def score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        examples: list[dict],
+        completion_lengths: np.ndarray,
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+        return self.scorer.score(prompts, completions, examples, completion_lengths=completion_lengths)
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+@ray.remote
+class TrainerActor:
+    """Runs `RLTrainer` (train step, state, reference, critic, checkpoints, evaluation) and publishes params.
+
+    Args:
+        config: the validated RL config.
+        store: the `ParamStoreActor` handle.
+    """
+
+    def __init__(self, config: Any, store: Any):
+        from feynrl_jax.orchestration.trainer import RLTrainer
+
+        self.trainer = RLTrainer(config)
+        self.store = store
+
+    def start(self) -> dict[str, Any]:
+        """Builds or restores the state and publishes it; returns where the run starts (`Restored` fields)."""
+        restored = self.trainer.start()
+        publish_params(self.store, self.trainer.host_params(), restored.policy_version)
+        return {
+            "step": restored.step,
+            "policy_version": restored.policy_version,
+            "rng": restored.rng,
+            "data_state": restored.data_state,
+        }
+
+    def train(self, rollouts: Any, rewards: np.ndarray, **kwargs: Any) -> dict[str, float]:
+        """`RLTrainer.train`, then publishes the new version; adds `perf/publish_seconds`."""
+        metrics = self.trainer.train(rollouts, rewards, **kwargs)
+        t0 = time.perf_counter()
+        metrics.update(publish_params(self.store, self.trainer.host_params(), self.trainer.policy_version))
+        metrics["perf/publish_seconds"] = time.perf_counter() - t0
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.trainer.evaluate(step)
+
+    def final_params(self) -> Any:
+        return self.trainer.final_params()
+
+    def close(self) -> None:
+        self.trainer.close()

@@ -1,0 +1,433 @@
+"""The sync RL loop on Ray: `feynrl-jax train --config=configs/grpo_demo.py` (paradigm "rl").
+
+Every step, fully on-policy:
+
+1. draw `train.global_batch_size / rollout.n_samples` prompts from the data mixture;
+2. the rollout workers (`rollout.num_workers` Ray actors, prompts split between them) load the latest
+   published params if they are behind and sample `rollout.n_samples` completions per prompt;
+3. the reward actor scores them (`rollout.rewards`);
+4. DAPO's dynamic sampling (`algo.dynamic_sampling`) drops groups whose rewards are all equal and draws more
+   prompts, at most `algo.max_refill_draws` times, to refill the batch;
+5. the trainer actor computes old/reference log-probabilities, advantages (the algorithm's estimator; GAE with
+   the critic for PPO), runs `train.ppo_epochs x train.mini_batches` updates and publishes version `step`
+   to the double-buffered parameter store;
+6. metrics (`rollout/`, `train/`, `loss/`, `perf/`, `eval/`) go to the tracker; a checkpoint is written when due.
+
+Fault tolerance: rollout workers restart up to `ray.max_restarts` times; a generation lost to a dead worker is
+retried (at most `rollout.max_retries` times) with the same seed and counted in `rollout/lost_batches`.
+
+Exact resume: the checkpoint of step `s` holds the trainer's state, the prompt iterator after `s` steps, the
+driver's PRNG key and the policy version; the sampling seed of every step derives from that key, so a resumed
+run samples and trains exactly like one that never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import ray
+from ml_collections import ConfigDict
+
+from feynrl_jax.config.derived import batch_plan
+from feynrl_jax.config.validation import validate
+from feynrl_jax.data.from_config import build_mixture_from_config
+from feynrl_jax.orchestration.actors import ParamStoreActor, RewardWorker, RolloutWorker, TrainerActor, worker_name
+from feynrl_jax.orchestration.runtime import ACTOR_CPUS, start_ray
+from feynrl_jax.rollout.types import FINISH_LENGTH, Rollouts, SamplingParams
+from feynrl_jax.tracking import Tracker
+from feynrl_jax.train import run_setup
+from feynrl_jax.train.rl_batch import concat_rollouts, constant_reward_groups, select_rows
+
+log = logging.getLogger(__name__)
+
+_WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+@dataclasses.dataclass
+class Scored:
+    """Rollouts of some prompts with their rewards (`[N]` rows, groups of `n` consecutive rows)."""
+
+    rollouts: Rollouts
+    rewards: np.ndarray
+    per_reward: dict[str, np.ndarray]
+    reward_metrics: dict[str, float]
+
+
+def rollout_sampling(config: ConfigDict, tokenizer: Any, seed: int) -> SamplingParams:
+    """The training rollouts' `SamplingParams` (`config.rollout`), EOS as a stop token, with `seed`."""
+    eos = tokenizer.eos_token_id
+    stop_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
+    rollout = config.rollout
+    return SamplingParams(
+        temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
+        greedy=rollout.temperature == 0,
+        top_k=rollout.top_k,
+        top_p=rollout.top_p,
+        max_new_tokens=rollout.max_new_tokens,
+        stop_token_ids=stop_ids,
+        stop_strings=tuple(rollout.stop_strings),
+        n=rollout.n_samples,
+        seed=seed,
+    )
+
+
+def wait_until_alive(actor: Any, *, name: str, timeout_s: float = 600.0) -> None:
+    """Blocks while Ray restarts `actor` (calls to a restarting actor fail at once instead of waiting).
+
+    Raises:
+        RuntimeError: the actor is dead for good (out of restarts) or not back within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.pid.remote(), timeout=timeout_s)
+            return
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not come back within {timeout_s:.0f} s") from None
+            time.sleep(0.2)
+        except ray.exceptions.RayActorError as error:
+            raise RuntimeError(f"{name} is dead and out of restarts (ray.max_restarts): {error}") from error
+
+
+def generate(
+    workers: list[Any], prompts: list[list[int]], sampling: SamplingParams, *, min_version: int, max_retries: int
+) -> tuple[Rollouts, dict[str, float]]:
+    """Splits `prompts` between the workers, generates, and retries the chunks of workers that died.
+
+    Chunk `i` is sampled with seed `sampling.seed + i`, on its first try and on any retry, so a retried chunk
+    reproduces exactly what the dead worker would have returned.
+
+    Returns:
+        `(rollouts, stats)`: stats hold `lost` (chunks lost to dead workers), `generated_tokens`,
+        `load_seconds` (max over workers) and `slot_utilisation` (mean).
+
+    Raises:
+        RuntimeError: a chunk still failed after `max_retries` retries (names the worker).
+    """
+    chunks = [c for c in np.array_split(np.arange(len(prompts)), len(workers)) if len(c)]
+    results: dict[int, tuple[Rollouts, dict]] = {}
+    pending = list(range(len(chunks)))
+    lost = 0
+    for attempt in range(max_retries + 1):
+        refs = {
+            i: workers[i].generate.remote(
+                [prompts[j] for j in chunks[i]],
+                dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32),
+                min_version,
+            )
+            for i in pending
+        }
+        for i, ref in refs.items():
+            try:
+                results[i] = ray.get(ref)
+            except _WORKER_FAILURES as error:
+                lost += 1
+                log.warning("rollout worker %d died during generation (attempt %d): %s", i, attempt + 1, error)
+        pending = [i for i in pending if i not in results]
+        for i in pending:
+            wait_until_alive(workers[i], name=f"rollout worker {i}")
+        if not pending:
+            break
+    if pending:
+        raise RuntimeError(
+            f"rollout worker(s) {pending} failed {max_retries + 1} times in one step; raise rollout.max_retries "
+            "or ray.max_restarts, or look at the worker logs"
+        )
+    parts = [results[i][0] for i in range(len(chunks))]
+    stats = [results[i][1] for i in range(len(chunks))]
+    return concat_rollouts(parts), {
+        "lost": float(lost),
+        "generated_tokens": float(sum(s["generated_tokens"] for s in stats)),
+        "load_seconds": float(max(s["load_seconds"] for s in stats)),
+        "slot_utilisation": float(np.mean([s["slot_utilisation"] for s in stats])),
+    }
+
+
+def _repeat(values: list, n: int) -> list:
+    return [v for v in values for _ in range(n)]
+
+
+def rollout_metrics(scored: Scored, *, success_threshold: float, correctness_reward: str) -> dict[str, float]:
+    """`rollout/` metrics of the trained batch: rewards, accuracy, lengths, truncation."""
+    rollouts = scored.rollouts
+    lengths = rollouts.completion_lengths.astype(np.float64)
+    correct_on = scored.per_reward.get(correctness_reward, scored.rewards)
+    return {
+        **scored.reward_metrics,
+        "rollout/accuracy": float(np.mean(correct_on >= success_threshold)),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/response_length_min": float(lengths.min()),
+        "rollout/truncated_frac": float(np.mean(rollouts.finish_reason == FINISH_LENGTH)),
+        "rollout/policy_version": float(rollouts.policy_version.min()),
+    }
+
+
+def _score(reward: Any, tokenizer: Any, rollouts: Rollouts, texts: list[str], examples: list[dict]) -> Scored:
+    completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in rollouts.completions()]
+    rewards, per_reward, metrics = ray.get(
+        reward.score.remote(texts, completions, examples, rollouts.completion_lengths)
+    )
+    return Scored(rollouts, np.asarray(rewards, np.float32), dict(per_reward), dict(metrics))
+
+
+def _merge_scored(parts: list[Scored]) -> Scored:
+    names = parts[0].per_reward.keys()
+    return Scored(
+        rollouts=concat_rollouts([p.rollouts for p in parts]),
+        rewards=np.concatenate([p.rewards for p in parts]),
+        per_reward={k: np.concatenate([p.per_reward[k] for p in parts]) for k in names},
+        reward_metrics=parts[0].reward_metrics,
+    )
+
+
+def _select(scored: Scored, rows: np.ndarray) -> Scored:
+    return Scored(
+        select_rows(scored.rollouts, rows),
+        scored.rewards[rows],
+        {k: v[rows] for k, v in scored.per_reward.items()},
+        scored.reward_metrics,
+    )
+
+
+def _step_seeds(key: jax.Array) -> tuple[int, int]:
+    bits = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
+    return int(bits[0]), int(bits[1])
+
+
+class _Run:
+    """The driver's side of one run: actors, prompt iterator, tracker (see `run`)."""
+
+    def __init__(self, config: ConfigDict):
+        self.config = config
+        self.plan = batch_plan(config)
+        source = run_setup.resolve_model_source(config.model, config.run_dir)  # converts a GGUF once, here
+        self.tokenizer = run_setup.load_run_tokenizer(source)
+        model_config = run_setup.model_config(config.model, source, self.tokenizer)
+        run_setup.write_resolved_config(config, config.run_dir)
+        self.store = ParamStoreActor.options(num_cpus=ACTOR_CPUS["store"]).remote()
+        self.trainer = TrainerActor.options(num_cpus=ACTOR_CPUS["trainer"]).remote(config, self.store)
+        restarts = dict(max_restarts=config.ray.max_restarts, max_task_retries=0)
+        self.workers = [
+            RolloutWorker.options(
+                name=worker_name(config.run_dir, i), num_cpus=ACTOR_CPUS["rollout"], max_concurrency=2, **restarts
+            ).remote(
+                model_config,
+                source.tokenizer_dir,
+                self.store,
+                num_slots=config.rollout.max_slots,
+                cache_len=config.data.max_seq_len,
+                decode_steps_per_dispatch=config.rollout.decode_steps_per_dispatch,
+                index=i,
+            )
+            for i in range(config.rollout.num_workers)
+        ]
+        self.reward = RewardWorker.options(num_cpus=ACTOR_CPUS["reward"], **restarts).remote(
+            dict(config.rollout.rewards),
+            reward_kwargs={name: dict(kwargs) for name, kwargs in config.rollout.reward_kwargs.items()},
+            timeout_s=config.rollout.reward_timeout_s,
+            num_workers=config.rollout.reward_workers,
+        )
+        self.prompts = build_mixture_from_config(
+            config.data, self.tokenizer, paradigm="rl", batch_size=self.plan.prompts_per_step
+        )
+        self.lost_batches = 0
+
+    def actors(self) -> list[Any]:
+        return [self.trainer, self.reward, self.store, *self.workers]
+
+    def _generate_scored(self, seed: int, version: int) -> tuple[Scored, dict[str, float]]:
+        batch = next(self.prompts)
+        sampling = rollout_sampling(self.config, self.tokenizer, seed)
+        t0 = time.perf_counter()
+        rollouts, stats = generate(
+            self.workers, batch.prompt_ids, sampling, min_version=version, max_retries=self.config.rollout.max_retries
+        )
+        rollout_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        n = self.config.rollout.n_samples
+        scored = _score(
+            self.reward, self.tokenizer, rollouts, _repeat(batch.prompt_texts, n), _repeat(batch.examples, n)
+        )
+        timing = {"rollout": rollout_seconds, "reward": time.perf_counter() - t1, **stats}
+        return scored, timing
+
+    def collect(self, seed: int, version: int) -> tuple[Scored, dict[str, float]]:
+        """The step's scored batch (with DAPO refills) and its `rollout/`/`perf/` metrics."""
+        scored, timing = self._generate_scored(seed, version)
+        totals = dict(timing)
+        metrics: dict[str, float] = {}
+        if self.config.algo.dynamic_sampling:
+            wanted = self.plan.global_batch_size
+            parts, dropped, draws = [], [], 0
+            while True:
+                flat = constant_reward_groups(scored.rewards, scored.rollouts.group_id)
+                parts.append(_select(scored, np.flatnonzero(~flat)))
+                dropped.append(_select(scored, np.flatnonzero(flat)))
+                kept = sum(p.rewards.shape[0] for p in parts)
+                if kept >= wanted or draws >= self.config.algo.max_refill_draws:
+                    break
+                draws += 1
+                scored, timing = self._generate_scored((seed + 7919 * draws) % 2**32, version)
+                for k, v in timing.items():
+                    totals[k] = totals[k] + v if k != "load_seconds" else max(totals[k], v)
+            short = max(wanted - kept, 0)
+            pool = [p for p in parts if p.rewards.size] + [p for p in dropped if p.rewards.size]
+            scored = _select(_merge_scored(pool), np.arange(wanted))
+            metrics.update(
+                {
+                    "rollout/dynamic_sampling_draws": float(draws),
+                    "rollout/dynamic_sampling_dropped_groups": float(
+                        sum(p.rewards.size for p in dropped) // self.config.rollout.n_samples
+                    ),
+                    "rollout/dynamic_sampling_short_rows": float(short),
+                }
+            )
+        self.lost_batches += int(totals["lost"])
+        metrics.update(
+            {
+                "rollout/lost_batches": float(self.lost_batches),
+                "rollout/lost_batches_this_step": totals["lost"],
+                "rollout/generated_tokens": totals["generated_tokens"],
+                "rollout/tokens_per_second": totals["generated_tokens"] / max(totals["rollout"], 1e-9),
+                "rollout/slot_utilisation": totals["slot_utilisation"],
+                "perf/rollout_seconds": totals["rollout"],
+                "perf/rollout_load_seconds": totals["load_seconds"],
+                "perf/reward_seconds": totals["reward"],
+            }
+        )
+        return scored, metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics = ray.get(self.trainer.evaluate.remote(step))
+        return {**metrics, "perf/eval_seconds": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        try:
+            ray.get([self.trainer.close.remote(), self.reward.close.remote()])
+        finally:
+            for actor in self.actors():
+                ray.kill(actor, no_restart=True)
+
+
+def run(config: ConfigDict) -> dict[str, float]:
+    """Trains `config` (paradigm "rl") with the sync loop to `config.train.steps`, resuming if it can.
+
+    Starts a local Ray instance (or connects to `ray.address`) unless this process is already connected.
+
+    Returns:
+        The last step's metrics merged with the final evaluation's (when `eval.during_training`).
+
+    Raises:
+        ValueError: the config is not an RL config.
+        FileExistsError: the run folder holds checkpoints but `checkpoint.resume` is False.
+    """
+    if config.paradigm != "rl":
+        raise ValueError(f"rl_loop.run needs config.paradigm='rl', got {config.paradigm!r}")
+    validate(config, num_devices=jax.device_count())
+    started = start_ray(config.ray)
+    try:
+        return _train(config)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _train(config: ConfigDict) -> dict[str, float]:
+    wall0 = time.perf_counter()
+    driver = _Run(config)
+    try:
+        restored = ray.get(driver.trainer.start.remote())
+        log.info("trainer ready after %.1f s", time.perf_counter() - wall0)
+        start, version = restored["step"], restored["policy_version"]
+        if restored["data_state"] is not None:
+            driver.prompts.set_state(restored["data_state"])
+        rng = (
+            jax.random.key(config.seed)
+            if restored["rng"] is None
+            else jax.random.wrap_key_data(jnp.asarray(restored["rng"], jnp.uint32))
+        )
+        log.info(
+            "RL %s: %s, old log-probabilities %s; starting at step %d (policy version %d)",
+            config.run_dir,
+            config.algo.name,
+            "recomputed by the trainer" if config.train.recompute_old_logprobs else "taken from the engine",
+            start,
+            version,
+        )
+        evaluate = config.eval.during_training
+        tracker = Tracker(
+            config.run_dir,
+            total_steps=config.train.steps,
+            initial_step=start,
+            jsonl=config.tracking.jsonl,
+            use_wandb=config.tracking.wandb,
+            wandb_project=config.tracking.wandb_project,
+            wandb_name=config.name,
+            config=run_setup.config_dict(config),
+            progress_bar=config.tracking.progress_bar,
+        )
+        before = after = None
+        last: dict[str, float] = {}
+        try:
+            if evaluate and start == 0:
+                before = driver.evaluate(0)
+                tracker.log(0, before)
+                print(f"held-out accuracy before training: {before['eval/accuracy']:.4f}", flush=True)
+            for step in range(start + 1, config.train.steps + 1):
+                t0 = time.perf_counter()
+                rng, key = jax.random.split(rng)
+                sample_seed, shuffle_seed = _step_seeds(key)
+                scored, metrics = driver.collect(sample_seed, version)
+                metrics.update(
+                    rollout_metrics(
+                        scored, success_threshold=config.eval.success_threshold, correctness_reward=config.eval.reward
+                    )
+                )
+                t1 = time.perf_counter()
+                metrics.update(
+                    ray.get(
+                        driver.trainer.train.remote(
+                            scored.rollouts,
+                            scored.rewards,
+                            step=step,
+                            shuffle_seed=shuffle_seed,
+                            rng=np.asarray(jax.random.key_data(rng)),
+                            data_state=driver.prompts.get_state(),
+                        )
+                    )
+                )
+                version = int(metrics["train/policy_version"])
+                metrics["perf/train_seconds"] = time.perf_counter() - t1
+                metrics["perf/step_seconds"] = time.perf_counter() - t0
+                if evaluate and (
+                    step == config.train.steps or (config.train.eval_every and step % config.train.eval_every == 0)
+                ):
+                    after = driver.evaluate(step)
+                    metrics.update(after)
+                if step % config.train.log_every == 0 or step == config.train.steps:
+                    tracker.log(step, metrics)
+                last = metrics
+        finally:
+            tracker.close()
+    finally:
+        driver.close()
+    if before is not None and after is not None:
+        print(
+            f"held-out accuracy: before {before['eval/accuracy']:.4f} -> after {after['eval/accuracy']:.4f} "
+            f"({config.train.steps} steps, {time.perf_counter() - wall0:.0f} s)",
+            flush=True,
+        )
+    if config.tracking.jsonl:
+        from feynrl_jax.tracking.plots import plot_run
+
+        plot_run(config.run_dir)
+    return last

@@ -1,0 +1,62 @@
+"""Starting Ray: a local instance sized to this machine, or a connection to an existing cluster.
+
+Local start (`ray.address` unset): `ray.init` with the machine's CPUs (or `ray.num_cpus`), no dashboard, and
+token authentication off (`RAY_AUTH_MODE=disabled`, so nothing is written to `~/.ray`). Actors ask for
+fractional CPUs (`ACTOR_CPUS`) so the trainer, the rollout workers, the reward scorer and the parameter store
+all fit on a 2-CPU laptop; they share the cores in time, which sync mode (generate, then train) allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ml_collections import ConfigDict
+
+log = logging.getLogger(__name__)
+
+ACTOR_CPUS = {"trainer": 0.5, "rollout": 0.25, "reward": 0.1, "store": 0.05}
+"""Logical CPUs each actor reserves (scheduling only; JAX and the reward pool use what the OS gives them)."""
+
+
+def start_ray(ray_cfg: ConfigDict) -> bool:
+    """Starts or connects to Ray as `config.ray` says; a no-op when this process is already connected.
+
+    Args:
+        ray_cfg: the `config.ray` section (`address`, `num_cpus`, `log_to_driver`).
+
+    Returns:
+        True when this call started (or connected) Ray and the caller should `ray.shutdown()` at the end.
+    """
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray_cfg.address:
+        log.info("connecting to the Ray cluster at %s", ray_cfg.address)
+        ray.init(address=ray_cfg.address, log_to_driver=ray_cfg.log_to_driver)
+        return True
+    num_cpus = ray_cfg.num_cpus or os.cpu_count() or 1
+    # Ray's memory monitor kills actors when the *machine* is nearly full, whoever uses the memory; on a shared
+    # workstation that kills a healthy run. Locally it is off unless the environment turns it on.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    # Ray lowers its workers' priority (nice 15) by default; here the actors *are* the workload.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    # Ray also marks its workers as the kernel OOM killer's first victims (oom_score_adj 1000); on a shared
+    # machine that picks the trainer whoever holds the memory. Leave the kernel's own choice.
+    os.environ.setdefault("RAY_worker_oom_score_adjustment", "0")
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=ray_cfg.log_to_driver,
+        configure_logging=False,
+    )
+    log.info("started a local Ray instance with %d CPUs", num_cpus)
+    return True
+
+
+def stop_ray() -> None:
+    """Disconnects this process from Ray (and stops the local instance it started)."""
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,178 @@
+"""The PPO critic: a scalar value head on a copy of the policy's backbone, trained with its own optimizer.
+
+Params: ``{"backbone": <a policy params pytree>, "value_head": {"kernel": [D], "bias": []}}``. The backbone
+starts as a copy of the policy (so the critic reads the same features), the head at zero (every value starts at
+0, the return of an untrained critic). The critic never uses the backbone's output projection.
+
+Alignment (docs/CONTRACTS.md): ``values[b, t]`` is the value of the state *before* token ``t`` was generated,
+``V(tokens[b, :t])``, read from the hidden state of token ``t - 1``; so ``values`` lines up with ``logprobs``
+and ``loss_mask`` and GAE (``feynrl_jax.losses.advantages.gae``) consumes it directly. Entry 0 holds 0.
+
+The value loss is PPO's clipped squared error (Schulman et al. 2017, "Proximal Policy Optimization
+Algorithms", arXiv:1707.06347, eq. 9 and the clipped variant of the OpenAI baselines):
+``0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``, token-mean over the completion. The policy's
+loss is run with ``vf_coef = 0``: the actor and the critic are separate models with separate optimizers, as in
+verl and OpenRLHF, rather than one network with a shared loss.
+
+The critic step reuses ``make_train_step``: its "per-token prediction" function returns values instead of
+log-probabilities, and the loss below reads them; sharding, gradient accumulation and the non-finite guard are
+the policy step's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from feynrl_jax.losses import LossSum, TrainBatch, aggregation
+from feynrl_jax.losses import metrics as metrics_lib
+from feynrl_jax.models import ModelConfig, forward, init_params, logical_axes
+from feynrl_jax.sharding.rules import Rules
+from feynrl_jax.train.step import TrainStep, make_train_step
+
+
+def init_critic_params(policy_params: Any, config: ModelConfig) -> dict[str, Any]:
+    """A critic whose backbone is a copy of ``policy_params`` and whose value head is zero.
+
+    Args:
+        policy_params: the policy's params (any placement; the leaves are copied).
+        config: the model config.
+
+    Returns:
+        ``{"backbone": ..., "value_head": {"kernel": [D] f32 zeros, "bias": [] f32 zero}}``.
+    """
+    return {
+        "backbone": jax.tree.map(jnp.copy, policy_params),
+        "value_head": {
+            "kernel": jnp.zeros((config.hidden_size,), jnp.float32),
+            "bias": jnp.zeros((), jnp.float32),
+        },
+    }
+
+
+def critic_logical_axes(config: ModelConfig) -> dict[str, Any]:
+    """Logical axes of the critic params: the backbone's, plus ``("embed",)`` for the head's kernel."""
+    return {"backbone": logical_axes(config), "value_head": {"kernel": ("embed",), "bias": ()}}
+
+
+def critic_params_shape(config: ModelConfig) -> dict[str, Any]:
+    """The critic params as ``jax.ShapeDtypeStruct`` leaves (no allocation)."""
+    backbone = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+    return {
+        "backbone": backbone,
+        "value_head": {
+            "kernel": jax.ShapeDtypeStruct((config.hidden_size,), jnp.float32),
+            "bias": jax.ShapeDtypeStruct((), jnp.float32),
+        },
+    }
+
+
+def critic_values(
+    params: dict[str, Any],
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    config: ModelConfig,
+    remat: str | None = None,
+) -> jax.Array:
+    """Per-token values ``[B, T]`` f32, aligned like log-probabilities (``values[:, t] = V(tokens[:, :t])``).
+
+    Args:
+        params: critic params.
+        tokens: ``[B, T]`` int32.
+        positions: ``[B, T]`` int32.
+        segment_ids: ``[B, T]`` int32 (0 = padding).
+        config: the backbone's model config.
+        remat: rematerialisation policy of the backbone (None: ``config.remat``).
+    """
+    hidden, _ = forward(params["backbone"], tokens, positions, config=config, segment_ids=segment_ids, remat=remat)
+    head = params["value_head"]
+    per_position = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
+    values = jnp.concatenate([jnp.zeros_like(per_position[:, :1]), per_position[:, :-1]], axis=1)
+    # The first token of a packed segment has no state before it inside its segment.
+    first = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return jnp.where(first | (segment_ids == 0), 0.0, values)
+
+
+def value_loss(
+    values: jax.Array, batch: TrainBatch, *, value_clip: float | None = 0.2
+) -> tuple[LossSum, dict[str, metrics_lib.Metric]]:
+    """PPO's clipped value loss, token-mean over ``batch.loss_mask``.
+
+    Args:
+        values: ``[B, T]`` current critic predictions.
+        batch: needs ``values`` (the critic's predictions at rollout time) and ``returns`` (GAE targets).
+        value_clip: clip range of the update around ``batch.values``; None for the plain squared error.
+
+    Returns:
+        ``(LossSum, metrics)`` with ``loss/value``, ``loss/value_clip_frac``, ``loss/value_pred_mean`` and
+        ``loss/value_error_abs`` (mean ``|V - R|``).
+
+    Raises:
+        ValueError: when ``batch.values`` or ``batch.returns`` is missing.
+    """
+    if batch.values is None or batch.returns is None:
+        raise ValueError("value_loss: the batch needs values (rollout-time critic values) and returns")
+    mask = batch.loss_mask
+    error = jnp.square(values - batch.returns)
+    metrics = {
+        "loss/value_pred_mean": metrics_lib.mean_metric(values, mask),
+        "loss/value_error_abs": metrics_lib.mean_metric(jnp.abs(values - batch.returns), mask),
+    }
+    if value_clip is not None:
+        clipped = batch.values + jnp.clip(values - batch.values, -value_clip, value_clip)
+        clipped_error = jnp.square(clipped - batch.returns)
+        metrics["loss/value_clip_frac"] = metrics_lib.mean_metric((clipped_error > error).astype(error.dtype), mask)
+        error = jnp.maximum(error, clipped_error)
+    per_token = 0.5 * error
+    metrics["loss/value"] = metrics_lib.mean_metric(per_token, mask)
+    return aggregation.aggregate(per_token, mask, batch.segment_ids, mode="token_mean"), metrics
+
+
+def make_critic_train_step(
+    config: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    value_clip: float | None,
+    grad_accum: int,
+    remat: str | None = None,
+) -> TrainStep:
+    """The critic's jitted train step (``make_train_step`` with values in place of log-probabilities).
+
+    Args:
+        config: the backbone's model config.
+        optimizer: the critic's own optimizer.
+        mesh: the device mesh.
+        rules: the logical-axis rules table.
+        value_clip: see ``value_loss``.
+        grad_accum: micro-batches per update.
+        remat: rematerialisation policy.
+
+    Returns:
+        A ``TrainStep`` over the critic params; ``step.init_state(init_critic_params(...))`` starts it.
+    """
+
+    def predict(params: Any, batch: TrainBatch, with_entropy: bool) -> tuple[jax.Array, None]:
+        del with_entropy
+        return critic_values(params, batch.tokens, batch.positions, batch.segment_ids, config=config, remat=remat), None
+
+    return make_train_step(
+        functools.partial(value_loss, value_clip=value_clip),
+        optimizer,
+        mesh,
+        rules,
+        logprob_fn=predict,
+        params_logical_axes=critic_logical_axes(config),
+        params_shape=critic_params_shape(config),
+        grad_accum=grad_accum,
+    )
