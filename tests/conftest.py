@@ -15,3 +15,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Hypothesis: the default profile is derandomized, so CI and every local run see the same examples and a
+# failure reproduces exactly. `HYPOTHESIS_PROFILE=explore` draws fresh random examples on every run.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("default", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
