@@ -10,6 +10,8 @@ export JAX_PLATFORMS ?= cpu
 export RAY_AUTH_MODE ?= disabled
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
+# Transparent huge pages for malloc (feynrl_jax/host_memory.py): about 15% faster CPU training steps.
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: setup demo test test-fast test-vllm lint clean
 

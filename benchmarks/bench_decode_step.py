@@ -15,6 +15,10 @@ import argparse
 import os
 import time
 
+from feynrl_jax.host_memory import reexec_with_huge_pages
+
+reexec_with_huge_pages()  # before jax/torch allocate: both sides of every comparison run with it
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -26,6 +26,10 @@ import sys
 import tempfile
 import time
 
+from feynrl_jax.host_memory import reexec_with_huge_pages
+
+reexec_with_huge_pages()  # before jax/torch allocate: both sides of every comparison run with it
+
 SYSTEM_PROMPT = "Reply with only the final answer."
 TASK, TASK_OPTIONS = "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 

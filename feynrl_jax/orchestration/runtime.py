@@ -14,6 +14,8 @@ import os
 import ray
 from ml_collections import ConfigDict
 
+from feynrl_jax import host_memory
+
 log = logging.getLogger(__name__)
 
 ACTOR_CPUS = {"trainer": 0.5, "rollout": 0.25, "reward": 0.1, "store": 0.05}
@@ -35,7 +37,13 @@ def start_ray(ray_cfg: ConfigDict) -> bool:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray_cfg.address:
         log.info("connecting to the Ray cluster at %s", ray_cfg.address)
-        ray.init(address=ray_cfg.address, log_to_driver=ray_cfg.log_to_driver)
+        # The cluster's workers do not inherit this process's environment: ask for huge pages explicitly.
+        env_vars = host_memory.huge_pages_env({})
+        ray.init(
+            address=ray_cfg.address,
+            log_to_driver=ray_cfg.log_to_driver,
+            runtime_env={"env_vars": env_vars} if env_vars else None,
+        )
         return True
     num_cpus = ray_cfg.num_cpus or os.cpu_count() or 1
     # Ray's memory monitor kills actors when the *machine* is nearly full, whoever uses the memory; on a shared
