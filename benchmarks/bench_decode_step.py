@@ -52,7 +52,7 @@ def main():
     config = ModelConfig.from_hf(smollm2_checkpoint_dir())
     params = init_params(config, jax.random.PRNGKey(0))
     batch, cache_len = args.batch, args.cache_len
-    shape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, cache_len, config.head_dim)
     key_k, key_v, key_t = jax.random.split(jax.random.PRNGKey(1), 3)
     cache = KVCache(k=jax.random.normal(key_k, shape), v=jax.random.normal(key_v, shape))
     tokens = jax.random.randint(key_t, (batch, 1), 0, config.vocab_size)

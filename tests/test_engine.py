@@ -191,7 +191,7 @@ def test_tensor_parallel_engine_matches_single_device(engine, params):
 
     mesh = make_mesh(data=4, fsdp=1, tensor=2)
     shardings = make_param_shardings(logical_axes(CONFIG), mesh, RULES["fsdp_tp"], shapes=params)
-    cache_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, None, "tensor", None))
+    cache_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "tensor", None, None))
     sharded = NativeEngine(
         CONFIG,
         params,

@@ -217,8 +217,8 @@ def test_prefill_then_decode_equals_full_forward(family):
     # Padding tokens were never written into the cache; every real position was.
     k = np.asarray(cache.k)
     for i, length in enumerate(LENGTHS):
-        assert np.all(k[:, i, length:] == 0.0)
-        assert np.all(np.any(k[:, i, :length] != 0.0, axis=(-1, -2)))
+        assert np.all(k[:, i, :, length:] == 0.0)
+        assert np.all(np.any(k[:, i, :, :length] != 0.0, axis=(1, -1)))
 
 
 def test_round_trip_export_loads_in_transformers(family, tmp_path):

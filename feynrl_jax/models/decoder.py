@@ -45,8 +45,9 @@ class KVCache:
     """Keys and values of every layer, indexed by position.
 
     Attributes:
-        k: `[L, B, S, K, Dh]` keys (RoPE applied) in compute dtype; entry `[l, b, p]` holds position `p` of row b.
-        v: `[L, B, S, K, Dh]` values.
+        k: `[L, B, K, S, Dh]` keys (RoPE applied) in compute dtype; entry `[l, b, :, p]` holds position `p` of
+            row b. Heads come before positions so that decode attention reads each head's keys contiguously.
+        v: `[L, B, K, S, Dh]` values.
     """
 
     k: jax.Array
@@ -55,7 +56,7 @@ class KVCache:
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     """An all-zero cache for `batch` rows of up to `max_len` positions."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     dtype = jnp.dtype(config.compute_dtype)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
@@ -203,11 +204,11 @@ def forward(
     batch_idx = jnp.arange(tokens.shape[0])[:, None]
     if cache is not None:
         # Padding tokens are "written" out of bounds and dropped.
-        write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache.k.shape[2])
+        write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache.k.shape[3])
 
     # The cache rides in the scan carry and each layer writes its slice in place (XLA updates a loop-carried
     # buffer without copying it, and the caller donates the cache); passing it through the scan as xs -> ys
-    # would re-stack the whole [L, B, S, K, Dh] cache on every call.
+    # would re-stack the whole [L, B, K, S, Dh] cache on every call.
     def layer(carry, layer_in):
         x, ck, cv = carry
         p, window, index = layer_in
@@ -225,11 +226,13 @@ def forward(
             k = rms_norm(k, p["k_norm"]["scale"], config.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ck is None:
-            attn = attend(q, k, v, packed_mask(positions, segment_ids, window))
+            mask = packed_mask(positions, segment_ids, window)
+            attn = attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
         else:
-            ck = ck.at[index, batch_idx, write_idx].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[index, batch_idx, write_idx].set(v.astype(cv.dtype), mode="drop")
-            mask = cache_mask(positions, ck.shape[2], window)
+            # Advanced indices split by the head slice: the indexed block is [B, T, K, Dh], the layout of k and v.
+            ck = ck.at[index, batch_idx, :, write_idx].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[index, batch_idx, :, write_idx].set(v.astype(cv.dtype), mode="drop")
+            mask = cache_mask(positions, ck.shape[3], window)
             attn = attend(q, ck[index].astype(dtype), cv[index].astype(dtype), mask)
         out = _matmul(attn.reshape(*attn.shape[:2], -1), p["o_proj"]["kernel"].reshape(-1, x.shape[-1]), dtype)
         if "bias" in p["o_proj"]:
