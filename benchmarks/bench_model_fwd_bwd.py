@@ -7,7 +7,11 @@ parameter. Both run in this process on the CPU; torch uses every core (`torch.se
 Run:
     python benchmarks/bench_model_fwd_bwd.py --batch 8 --seq 256 --steps 3
 
-Prints tokens/s of both, their ratio (goal: ours >= 1.5x PyTorch) and the JAX compile time.
+Prints tokens/s of both, their ratio (goal: ours >= 1.5x PyTorch) and the JAX compile time, and a roofline: the
+model FLOPs of one step (6 x non-embedding params + the output projection + attention, per token, as in Kaplan
+et al. 2020, "Scaling Laws for Neural Language Models") against the best float32 GEMM rate that JAX and torch
+reach on this machine for the model's own MLP shape. No implementation can beat that rate on the whole step, so
+it bounds the ratio any forward+backward can reach.
 """
 
 from __future__ import annotations
@@ -74,6 +78,33 @@ def bench_torch(folder: str, tokens: np.ndarray, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def model_flops(config, batch: int, seq: int) -> float:
+    """Forward+backward FLOPs of one step: 6 per parameter-token (embedding lookup excluded), + attention."""
+    embed = config.vocab_size * config.hidden_size
+    body = config.num_params - embed - (0 if config.tie_word_embeddings else embed)
+    per_token = 6 * (body + embed) + 12 * config.num_layers * seq * config.num_heads * config.head_dim
+    return float(per_token * batch * seq)
+
+
+def gemm_peak(m: int, k: int, n: int, repeats: int = 5) -> tuple[float, float]:
+    """Best FLOP/s of one float32 [m, k] x [k, n] product in JAX and in torch (all cores)."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(m, k)).astype(np.float32), rng.normal(size=(k, n)).astype(np.float32)
+    ja, jb, ta, tb = jnp.asarray(a), jnp.asarray(b), torch.from_numpy(a), torch.from_numpy(b)
+    matmul = jax.jit(jnp.matmul)
+    best = {"jax": float("inf"), "torch": float("inf")}
+    for _ in range(repeats + 1):  # the first round compiles / warms up
+        start = time.perf_counter()
+        matmul(ja, jb).block_until_ready()
+        best["jax"] = min(best["jax"], time.perf_counter() - start)
+        start = time.perf_counter()
+        torch.matmul(ta, tb)
+        best["torch"] = min(best["torch"], time.perf_counter() - start)
+    return 2 * m * k * n / best["jax"], 2 * m * k * n / best["torch"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -97,7 +128,17 @@ def main():
         return
     torch_s = bench_torch(folder, tokens, args.steps)
     print(f"torch : {torch_s:.2f}s/step, {n_tokens / torch_s:.0f} tokens/s")
-    print(f"ratio (jax / torch tokens/s): {torch_s / jax_s:.2f}x")
+    print(f"ratio (jax / torch tokens/s): {torch_s / jax_s:.2f}x (goal >= 1.5x)")
+    flops = model_flops(config, args.batch, args.seq)
+    peak = max(gemm_peak(n_tokens, config.hidden_size, config.intermediate_size))
+    print(
+        f"roofline: {flops / 1e12:.2f} TFLOP per step; best float32 GEMM here {peak / 1e9:.0f} GFLOP/s "
+        f"({n_tokens}x{config.hidden_size}x{config.intermediate_size}, best of JAX and torch)"
+    )
+    print(
+        f"  jax {flops / jax_s / 1e9:.0f} GFLOP/s = {flops / jax_s / peak:.0%} of it; torch {flops / torch_s / 1e9:.0f}"
+        f" GFLOP/s = {flops / torch_s / peak:.0%}; 1.5x torch would need {1.5 * flops / torch_s / peak:.0%}"
+    )
 
 
 if __name__ == "__main__":

