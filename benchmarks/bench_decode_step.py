@@ -52,9 +52,12 @@ def main():
     config = ModelConfig.from_hf(smollm2_checkpoint_dir())
     params = init_params(config, jax.random.PRNGKey(0))
     batch, cache_len = args.batch, args.cache_len
-    shape = (config.num_layers, batch, config.num_kv_heads, cache_len, config.head_dim)
+    heads = (config.num_layers, batch, config.num_kv_heads)
     key_k, key_v, key_t = jax.random.split(jax.random.PRNGKey(1), 3)
-    cache = KVCache(k=jax.random.normal(key_k, shape), v=jax.random.normal(key_v, shape))
+    cache = KVCache(
+        k=jax.random.normal(key_k, (*heads, config.head_dim, cache_len)),
+        v=jax.random.normal(key_v, (*heads, cache_len, config.head_dim)),
+    )
     tokens = jax.random.randint(key_t, (batch, 1), 0, config.vocab_size)
     # Every row at its own position, spread over the cache (continuous batching).
     positions = jnp.asarray(np.linspace(0, cache_len - 1, batch).astype(np.int32)[:, None])

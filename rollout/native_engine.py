@@ -3,7 +3,7 @@
 The design follows JetStream (Google's JAX inference engine) and the continuous batching of Orca (Yu et al.,
 2022, "Orca: A Distributed Serving System for Transformer-Based Generative Models", OSDI):
 
-  - a fixed number of decode slots share one KV cache `[L, slots, K, S, Dh]`; shapes never change, so the
+  - a fixed number of decode slots share one KV cache (`[L, slots, K, ., .]`); shapes never change, so the
     decode step compiles once;
   - a prompt is prefilled once (padded to a power-of-two bucket) and its KV is inserted into as many slots as it
     has samples (`n`), when slots free up;
@@ -17,9 +17,9 @@ off. With top-k or top-p on they differ by design: the engine reports the exact 
 distribution it sampled from (see `sampling.py`).
 
 Sharding: pass `param_shardings` (a pytree of `jax.sharding.Sharding` matching the params, e.g. from the
-logical-axis rules of `feynrl_jax.sharding`) and `cache_sharding` (a `NamedSharding` for the
-`[L, slots, K, S, Dh]` cache, typically `P(None, None, "tensor", None, None)` for tensor parallelism over KV
-heads); the compiled steps are then partitioned by XLA (GSPMD) over that mesh.
+logical-axis rules of `feynrl_jax.sharding`) and `cache_sharding` (a `NamedSharding` for the cache:
+`[L, slots, K, Dh, S]` keys, `[L, slots, K, S, Dh]` values; typically `P(None, None, "tensor", None, None)` for
+tensor parallelism over KV heads); the compiled steps are then partitioned by XLA (GSPMD) over that mesh.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class NativeEngine:
         batching", kept for benchmarks).
       detokenize: token ids -> text; needed for `SamplingParams.stop_strings`.
       param_shardings: optional pytree of shardings matching `params`.
-      cache_sharding: optional sharding of the `[L, slots, K, S, Dh]` KV cache.
+      cache_sharding: optional sharding of the KV cache (k `[L, slots, K, Dh, S]`, v `[L, slots, K, S, Dh]`).
       policy_version: version of `params`.
 
     Attributes:

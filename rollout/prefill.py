@@ -51,7 +51,7 @@ def prefill(params, tokens: jax.Array, lengths: jax.Array, *, config: ModelConfi
       lengths: `[B]` int32 real tokens per row (padding is not written to the cache).
 
     Returns:
-      `KVCache` with k and v `[L, B, K, bucket, Dh]`; entries at or beyond `lengths` are zero.
+      `KVCache` with k `[L, B, K, Dh, bucket]` and v `[L, B, K, bucket, Dh]`; entries at or beyond `lengths` are zero.
     """
     batch, bucket = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (batch, bucket))

@@ -22,7 +22,7 @@ class DecodeState(NamedTuple):
     """Everything the decode step carries, for `num_slots` slots (a pytree).
 
     Attributes:
-      cache: `KVCache`, k and v `[L, slots, K, S, Dh]`.
+      cache: `KVCache`, k `[L, slots, K, Dh, S]` and v `[L, slots, K, S, Dh]`.
       tokens: `[slots]` int32, the next input token of each slot (the last sampled one).
       positions: `[slots]` int32, the position of `tokens`.
       active: `[slots]` bool, the slot holds an unfinished sequence.
@@ -67,8 +67,8 @@ def insert(
 
     Args:
       state: the decode state.
-      prefix: KV of the prompt without its last token, k and v `[L, 1, K, bucket, Dh]` (entries at or beyond
-        `prompt_length - 1` are ignored), or None for a one-token prompt.
+      prefix: KV of the prompt without its last token, k `[L, 1, K, Dh, bucket]` and v `[L, 1, K, bucket, Dh]`
+        (entries at or beyond `prompt_length - 1` are ignored), or None for a one-token prompt.
       slot: scalar int32.
       last_token: scalar int32, the prompt's last token.
       prompt_length: scalar int32, prompt tokens (>= 1).

@@ -215,10 +215,11 @@ def test_prefill_then_decode_equals_full_forward(family):
     ref = _hf_logits(family["model"], tokens, segments)
     np.testing.assert_array_less(np.abs(decoded - ref)[real].max(), TOL)
     # Padding tokens were never written into the cache; every real position was.
-    k = np.asarray(cache.k)
+    k = np.asarray(cache.k).swapaxes(-1, -2)  # [L, B, K, S, Dh], as the values
     for i, length in enumerate(LENGTHS):
-        assert np.all(k[:, i, :, length:] == 0.0)
-        assert np.all(np.any(k[:, i, :, :length] != 0.0, axis=(1, -1)))
+        for stored in (k, np.asarray(cache.v)):
+            assert np.all(stored[:, i, :, length:] == 0.0)
+            assert np.all(np.any(stored[:, i, :, :length] != 0.0, axis=(1, -1)))
 
 
 def test_round_trip_export_loads_in_transformers(family, tmp_path):

@@ -63,7 +63,7 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray) ->
 
     Args:
         q: `[B, T, H, Dh]` queries (RoPE applied).
-        k: `[B, K, S, Dh]` keys (head-major, the KV cache's layout), K dividing H (query head `h` uses key head
+        k: `[B, K, Dh, S]` keys, transposed (the KV cache's layout), K dividing H (query head `h` uses key head
             `h // (H / K)`).
         v: `[B, K, S, Dh]` values.
         mask: `[B, T, S]` bool, True where attending is allowed.
@@ -72,13 +72,13 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray) ->
         `[B, T, H, Dh]` in the dtype of `q`.
     """
     b, t, h, dh = q.shape
-    kv_heads, s = k.shape[1], k.shape[2]
+    kv_heads, s = k.shape[1], k.shape[3]
     g = h // kv_heads
-    # [B, K, G*T, Dh] x [B, K, S, Dh]^T: one batched matrix product per KV head, the G query heads that share it
+    # [B, K, G*T, Dh] x [B, K, Dh, S]: one batched matrix product per KV head, the G query heads that share it
     # stacked along the rows. Head-major operands let XLA:CPU run plain batched GEMMs, forward and backward
-    # (about 2x faster than the equivalent 5-D einsum on CPU).
+    # (about 2x faster than the equivalent 5-D einsum on CPU; keys as [Dh, S] halve decode attention again).
     q = q.reshape(b, t, kv_heads, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, dh)
-    scores = jnp.matmul(q * jnp.asarray(dh**-0.5, q.dtype), k.swapaxes(-1, -2), preferred_element_type=jnp.float32)
+    scores = jnp.matmul(q * jnp.asarray(dh**-0.5, q.dtype), k, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kv_heads, g, t, s)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
     # The max is only a shift for stability: it cancels in the softmax, so it needs no gradient.

@@ -45,9 +45,10 @@ class KVCache:
     """Keys and values of every layer, indexed by position.
 
     Attributes:
-        k: `[L, B, K, S, Dh]` keys (RoPE applied) in compute dtype; entry `[l, b, :, p]` holds position `p` of
-            row b. Heads come before positions so that decode attention reads each head's keys contiguously.
-        v: `[L, B, K, S, Dh]` values.
+        k: `[L, B, K, Dh, S]` keys (RoPE applied) in compute dtype, stored transposed: entry `[l, b, :, :, p]`
+            holds position `p` of row b. Decode attention then multiplies each head's query by a plain `[Dh, S]`
+            matrix, which XLA:CPU runs about 2x faster than against `[S, Dh]`.
+        v: `[L, B, K, S, Dh]` values; entry `[l, b, :, p]` holds position `p`.
     """
 
     k: jax.Array
@@ -56,9 +57,11 @@ class KVCache:
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     """An all-zero cache for `batch` rows of up to `max_len` positions."""
-    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+    heads = (config.num_layers, batch, config.num_kv_heads)
     dtype = jnp.dtype(config.compute_dtype)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return KVCache(
+        k=jnp.zeros((*heads, config.head_dim, max_len), dtype), v=jnp.zeros((*heads, max_len, config.head_dim), dtype)
+    )
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -204,11 +207,11 @@ def forward(
     batch_idx = jnp.arange(tokens.shape[0])[:, None]
     if cache is not None:
         # Padding tokens are "written" out of bounds and dropped.
-        write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache.k.shape[3])
+        write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache.v.shape[3])
 
     # The cache rides in the scan carry and each layer writes its slice in place (XLA updates a loop-carried
     # buffer without copying it, and the caller donates the cache); passing it through the scan as xs -> ys
-    # would re-stack the whole [L, B, K, S, Dh] cache on every call.
+    # would re-stack the whole cache on every call.
     def layer(carry, layer_in):
         x, ck, cv = carry
         p, window, index = layer_in
@@ -227,12 +230,13 @@ def forward(
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ck is None:
             mask = packed_mask(positions, segment_ids, window)
-            attn = attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+            attn = attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
         else:
-            # Advanced indices split by the head slice: the indexed block is [B, T, K, Dh], the layout of k and v.
-            ck = ck.at[index, batch_idx, :, write_idx].set(k.astype(ck.dtype), mode="drop")
+            # Advanced indices split by slices: numpy puts the broadcast [B, T] index dimensions first, so the
+            # indexed block of either cache is [B, T, K, Dh], the layout of k and v.
+            ck = ck.at[index, batch_idx, :, :, write_idx].set(k.astype(ck.dtype), mode="drop")
             cv = cv.at[index, batch_idx, :, write_idx].set(v.astype(cv.dtype), mode="drop")
-            mask = cache_mask(positions, ck.shape[3], window)
+            mask = cache_mask(positions, cv.shape[3], window)
             attn = attend(q, ck[index].astype(dtype), cv[index].astype(dtype), mask)
         out = _matmul(attn.reshape(*attn.shape[:2], -1), p["o_proj"]["kernel"].reshape(-1, x.shape[-1]), dtype)
         if "bias" in p["o_proj"]:
