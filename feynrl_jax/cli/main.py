@@ -23,7 +23,6 @@ from collections.abc import Callable
 from absl import app, flags
 from ml_collections import ConfigDict, config_flags
 
-from feynrl_jax import host_memory
 from feynrl_jax.config.errors import ConfigError
 from feynrl_jax.config.overrides import check_overrides, parse_argv
 from feynrl_jax.config.validation import validate
@@ -226,7 +225,9 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """The console-script entry point (re-executed once with huge pages on: see `feynrl_jax.host_memory`)."""
-    host_memory.reexec_with_huge_pages()
+    from feynrl_jax.host_memory import reexec_with_huge_pages  # stdlib only; the CLI's top level stays light
+
+    reexec_with_huge_pages()
     app.run(main, flags_parser=parse_flags)
 
 
