@@ -25,21 +25,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_rollout import copy_bandwidth  # noqa: E402  (this folder is on sys.path when run as a script)
 
 from feynrl_jax.checkpoints import smollm2_checkpoint_dir  # noqa: E402
 from feynrl_jax.models import KVCache, ModelConfig, forward, init_params, logits  # noqa: E402
-
-
-def copy_bandwidth(size_bytes: int = 1 << 28, repeats: int = 5) -> float:
-    """Host memory bandwidth in bytes/s of a large numpy copy (read + write counted)."""
-    src = np.ones(size_bytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size_bytes / best
 
 
 def main():
@@ -80,7 +69,7 @@ def main():
     step_s = float(np.median(times))
 
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(1 << 28)
     bound_s = weight_bytes / bandwidth
     print(f"SmolLM2-135M shapes ({config.num_params / 1e6:.1f}M params, random init), float32, B={batch}, T=1")
     print(f"cache length S={cache_len}, rows at positions 0..S-1")

@@ -7,7 +7,6 @@ comes from the checkpointed PRNG key and the prompts from the checkpointed data-
 resumed run regenerates the same rollouts.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import time
 import jax
 import numpy as np
 import pytest
+import resume_harness as harness
 
 from feynrl_jax.checkpoints.train_state import TrainCheckpointer, latest_step
 from feynrl_jax.tracking import read_metrics
@@ -76,20 +76,6 @@ def _train(root, env, run_name):
     )
 
 
-def _logged_steps(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    steps = []
-    with open(path) as f:
-        for line in f:
-            try:
-                steps.append(json.loads(line)["step"])
-            except (json.JSONDecodeError, KeyError):
-                continue  # the line being written
-    return steps
-
-
 def _final_policy(run_dir):
     with TrainCheckpointer(run_dir, save_every=SAVE_EVERY, keep=2) as ckpt:
         assert ckpt.latest_step() == TOTAL_STEPS
@@ -110,7 +96,7 @@ def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace):
     run_dir = str(root / "interrupted")
     proc = _train(root, env, "interrupted")
     deadline = time.monotonic() + 900
-    while KILL_AFTER_LOGGED_STEP not in _logged_steps(run_dir):
+    while KILL_AFTER_LOGGED_STEP not in harness.logged_steps(run_dir):
         if proc.poll() is not None:
             pytest.fail(f"the run exited (code {proc.returncode}) early: {proc.stderr.read()[-3000:]}")
         assert time.monotonic() < deadline, f"step {KILL_AFTER_LOGGED_STEP} never reached"
