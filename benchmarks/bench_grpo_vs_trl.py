@@ -77,10 +77,15 @@ def run_ours(args) -> dict:
     config.ray.num_cpus = os.cpu_count()
     rl_loop.run(config)
     records = read_metrics(config.run_dir)
+    later = records[1:] or records
+    split = ("rollout", "reward", "train_prep", "train_update", "publish")
     return {
         "step_seconds": [r["perf/step_seconds"] for r in records],
         "generated_tokens": [r["rollout/generated_tokens"] for r in records],
         "reward_mean": [r["rollout/reward/total/mean"] for r in records],
+        # Where a step's time goes (mean of the steps after the first).
+        "time_split_seconds": {k: sum(r.get(f"perf/{k}_seconds", 0.0) for r in later) / len(later) for k in split},
+        "shared_prefix": records[-1].get("train/shared_prefix", 0.0),
     }
 
 

@@ -2,7 +2,8 @@
 
 Token alignment (docs/CONTRACTS.md): every per-token array is aligned with ``tokens``; ``logprobs[b, t]`` is
 ``log p(tokens[b, t] | tokens[b, :t])``; the first token of every row and of every packed segment has no
-prediction, holds 0 and has ``loss_mask`` 0. A loss only reads positions where ``loss_mask`` is 1.
+prediction, holds 0 and has ``loss_mask`` 0 (a shared-prefix continuation's first token is predicted from its
+prefix: ``feynrl_jax.models.segments``). A loss only reads positions where ``loss_mask`` is 1.
 """
 
 from __future__ import annotations

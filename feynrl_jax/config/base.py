@@ -88,6 +88,9 @@ def base_config() -> ConfigDict:
     config.train.log_every = 1  # Steps between metric writes.
     config.train.eval_every = 0  # Steps between evaluations; 0: only at the start and the end.
     config.train.recompute_old_logprobs = True  # RL: recompute pi_old with the trainer (else the engine's).
+    # RL: run each group as one row, its prompt once and the n completions behind it (same gradients, fewer
+    # FLOPs): "auto" (when groups stay whole in micro-batches and it costs less) | "on" | "off".
+    config.train.shared_prefix = "auto"
 
     config.rollout = ConfigDict()
     config.rollout.engine = "native"  # "native" (JAX, continuous batching) | "vllm".

@@ -24,6 +24,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 SCHEDULES = ("constant", "cosine")
 ENGINES = ("native", "vllm")
+SHARED_PREFIX_MODES = ("auto", "on", "off")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 MESH_RULES = ("dp", "fsdp", "fsdp_tp")
 BAD_ROW_POLICIES = ("error", "skip")
@@ -247,6 +248,7 @@ def _check_batches(config, bad, num_devices):
         _at_least(bad, f"train.{key}", train[key], 1)
     _at_least(bad, "train.micro_batch_size", train.micro_batch_size, 0)
     _at_least(bad, "train.eval_every", train.eval_every, 0)
+    _choice(bad, "train.shared_prefix", train.shared_prefix, SHARED_PREFIX_MODES)
     if train.global_batch_size < 1 or train.mini_batches < 1 or train.micro_batch_size < 0:
         return
     if train.global_batch_size % train.mini_batches:

@@ -6,7 +6,7 @@ The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `forward`, `KVCache`,
 
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import KVCache, Params, forward, init_cache, init_params, logits, param_shapes
-from feynrl_jax.models.logprobs import sequence_logprobs, token_logprobs_from_hidden
+from feynrl_jax.models.logprobs import predecessor_hidden, sequence_logprobs, token_logprobs_from_hidden
 from feynrl_jax.models.partitioning import logical_axes
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "logical_axes",
     "logits",
     "param_shapes",
+    "predecessor_hidden",
     "sequence_logprobs",
     "token_logprobs_from_hidden",
 ]

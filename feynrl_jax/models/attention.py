@@ -15,14 +15,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from feynrl_jax.models.segments import prefix_visible
+
 _MASKED = -1e30
 
 
 def packed_mask(positions: jnp.ndarray, segment_ids: jnp.ndarray | None, window: jnp.ndarray | None) -> jnp.ndarray:
     """The mask of a forward pass without a cache: causal, within one segment, inside the window.
 
+    A continuation segment (one whose positions do not start at 0, `feynrl_jax.models.segments`) also sees the
+    tokens of its shared prefix.
+
     Args:
-        positions: `[B, T]` int32, restarting at 0 in every segment.
+        positions: `[B, T]` int32, restarting at 0 in every segment (a continuation goes on from its prefix).
         segment_ids: `[B, T]` int32 (0 = padding, never attended to), or None (one segment per row).
         window: scalar int32; keys with `q_pos - k_pos >= window` are masked. A huge value disables it.
 
@@ -33,11 +38,16 @@ def packed_mask(positions: jnp.ndarray, segment_ids: jnp.ndarray | None, window:
     idx = jnp.arange(t)
     mask = (idx[None, :] <= idx[:, None])[None]
     if segment_ids is not None:
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask = mask & same & (segment_ids[:, None, :] != 0)
+        same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+        mask = mask & (same | prefix_visible(positions, segment_ids))
     if window is not None:
-        mask = mask & ((positions[:, :, None] - positions[:, None, :]) < window)
+        mask = mask & within_window(positions, window)
     return mask
+
+
+def within_window(positions: jnp.ndarray, window: jnp.ndarray) -> jnp.ndarray:
+    """`[B, T, T]` bool: key `s` is less than `window` positions behind query `t` (sliding-window attention)."""
+    return (positions[:, :, None] - positions[:, None, :]) < window
 
 
 def cache_mask(positions: jnp.ndarray, cache_len: int, window: jnp.ndarray | None) -> jnp.ndarray:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from feynrl_jax.models.attention import attend, cache_mask, packed_mask
+from feynrl_jax.models.attention import attend, cache_mask, packed_mask, within_window
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.rope import apply_rope, rope_cos_sin
 
@@ -205,7 +205,10 @@ def forward(
     windows = jnp.asarray([_NO_WINDOW if w is None else w for w in config.layer_windows()], jnp.int32)
     any_window = any(w is not None for w in config.layer_windows())
     batch_idx = jnp.arange(tokens.shape[0])[:, None]
-    if cache is not None:
+    if cache is None:
+        # The segment structure is the same in every layer: build it once, outside the layer scan.
+        row_mask = packed_mask(positions, segment_ids, None)
+    else:
         # Padding tokens are "written" out of bounds and dropped.
         write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache.v.shape[3])
 
@@ -229,7 +232,7 @@ def forward(
             k = rms_norm(k, p["k_norm"]["scale"], config.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ck is None:
-            mask = packed_mask(positions, segment_ids, window)
+            mask = row_mask if window is None else row_mask & within_window(positions, window)
             attn = attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
         else:
             # Advanced indices split by slices: numpy puts the broadcast [B, T] index dimensions first, so the

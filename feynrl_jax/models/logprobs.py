@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import Params, forward, logits
+from feynrl_jax.models.segments import predecessor_index
 
 
 def token_logprobs_from_hidden(
@@ -63,6 +64,30 @@ def token_logprobs_from_hidden(
     return lp, (ent if with_entropy else None)
 
 
+def predecessor_hidden(
+    hidden: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, first_column: int = 1
+) -> tuple[jax.Array, jax.Array]:
+    """The hidden state that predicts each token from column `first_column` on, and whether there is one.
+
+    Args:
+        hidden: `[B, T, D]` from `forward`.
+        positions: `[B, T]` int32.
+        segment_ids: `[B, T]` int32 (0 = padding), or None (one segment per row).
+        first_column: the first column to return (at least 1).
+
+    Returns:
+        `(source [B, T - first_column, D], valid [B, T - first_column] bool)`: inside a segment the previous
+        column's state; for the first token of a shared-prefix continuation its prefix's last state
+        (`feynrl_jax.models.segments`).
+    """
+    b, t = positions.shape
+    if segment_ids is None:
+        return hidden[:, first_column - 1 : -1], jnp.ones((b, t - first_column), bool)
+    index = predecessor_index(positions, segment_ids)[:, first_column:]
+    source = jnp.take_along_axis(hidden, jnp.maximum(index, 0)[..., None], axis=1)
+    return source, index >= 0
+
+
 def sequence_logprobs(
     params: Params,
     tokens: jax.Array,
@@ -74,12 +99,15 @@ def sequence_logprobs(
     with_entropy: bool = False,
     chunk_size: int = 256,
     remat: str | None = None,
+    first_column: int = 1,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probabilities of `tokens` under the model, aligned with `tokens`.
 
-    `logprobs[b, t] = log p(tokens[b, t] | tokens[b, :t])` at `temperature`; entry 0, the first token of every
-    packed segment and padding (segment id 0) hold 0. `entropy[b, t]` is the entropy of the distribution that
-    token `t` was drawn from, aligned (and zeroed) the same way.
+    `logprobs[b, t] = log p(tokens[b, t] | its context)` at `temperature`: the tokens before it in its segment,
+    behind its shared prefix for a continuation segment (`feynrl_jax.models.segments`). Entry 0, the first
+    token of every ordinary packed segment, padding (segment id 0) and the columns before `first_column` hold 0.
+    `entropy[b, t]` is the entropy of the distribution that token `t` was drawn from, aligned (and zeroed) the
+    same way.
 
     Args:
         params: the params pytree.
@@ -91,29 +119,29 @@ def sequence_logprobs(
         with_entropy: also compute the entropy.
         chunk_size: sequence positions per chunk of the output projection.
         remat: rematerialisation policy passed to `forward`.
+        first_column: static; no token before this column is scored (an RL batch whose completions all start
+            at or after a known column skips the output projection over its prompts).
 
     Returns:
         `(logprobs [B, T] f32, entropy [B, T] f32 or None)`.
     """
     hidden, _ = forward(params, tokens, positions, config=config, segment_ids=segment_ids, remat=remat)
     b, t = tokens.shape
-    if t < 2:
+    start = max(1, first_column)
+    if t <= start:
         zeros = jnp.zeros((b, t), jnp.float32)
         return zeros, (zeros if with_entropy else None)
+    source, valid = predecessor_hidden(hidden, positions, segment_ids, start)
     lp, ent = token_logprobs_from_hidden(
         params,
-        hidden[:, :-1],
-        tokens[:, 1:],
+        source,
+        tokens[:, start:],
         config=config,
         temperature=temperature,
         with_entropy=with_entropy,
         chunk_size=chunk_size,
     )
-    if segment_ids is None:
-        valid = jnp.ones((b, t - 1), bool)
-    else:
-        valid = (segment_ids[:, 1:] != 0) & (segment_ids[:, 1:] == segment_ids[:, :-1])
-    first = jnp.zeros((b, 1), jnp.float32)
+    first = jnp.zeros((b, start), jnp.float32)
     lp = jnp.concatenate([first, jnp.where(valid, lp, 0.0)], axis=1)
     if with_entropy:
         ent = jnp.concatenate([first, jnp.where(valid, ent, 0.0)], axis=1)

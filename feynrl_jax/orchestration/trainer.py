@@ -3,17 +3,24 @@
 `RLTrainer` is plain Python (no Ray): `actors.TrainerActor` runs it in its own process. One `train` call is the
 trainer's half of a sync RL step:
 
-1. the current policy's log-probabilities of the sampled tokens (and the entropy) with a no-grad forward pass;
-   they are the ratio's denominator `old_logprobs` when `train.recompute_old_logprobs`, else the engine's
-   behaviour log-probabilities are; either way their mismatch with the engine's is measured
-   (`rollout/logprob_mismatch_kl`, a k1 estimate of KL(behaviour || trainer) over completion tokens, and
-   `rollout/logprob_mismatch_max_abs`);
+1. the ratio's denominator `old_logprobs`: with `train.recompute_old_logprobs`, the current policy's
+   log-probabilities of the sampled tokens, else the engine's behaviour log-probabilities. With one update per
+   step (`ppo_epochs = mini_batches = 1`) the update's own forward pass gives them (the params are still the
+   pre-update ones), so no separate pass runs; with several updates a no-grad forward pass computes them first.
+   Either way their mismatch with the engine's is measured (`rollout/logprob_mismatch_kl`, a k1 estimate of
+   KL(behaviour || trainer) over completion tokens, `_k3` and `rollout/logprob_mismatch_max_abs`), with the
+   policy's entropy;
 2. the reference model's log-probabilities when the loss has a KL term (`kl_coef > 0`);
 3. advantages with the algorithm's estimator: sequence estimators from the rewards and groups; PPO's GAE from
    per-token rewards (the sequence reward on the last token) and the critic's values;
 4. `ppo_epochs` passes over the batch, each in `mini_batches` shuffled mini-batches (one optimizer update
    each); PPO updates its critic on the same mini-batches;
 5. a checkpoint when due (train state, critic, data-iterator state, RNG, policy version).
+
+Forward and backward passes run on the shared-prefix layout when it is cheaper (`train.shared_prefix`,
+`feynrl_jax.train.shared_prefix`): one row per group, the prompt once and its `n` completions behind it, with the
+same log-probabilities and gradients as one row per sample. Mini-batches then shuffle whole groups. Advantages,
+GAE and the metrics are computed in the row layout either way.
 
 Departure from some references: PPO advantages are not whitened (GAE on a 0/1 reward is already bounded), and
 the critic is trained separately from the actor (the actor's loss runs with `vf_coef = 0`).
@@ -38,11 +45,13 @@ from feynrl_jax.losses import ALGORITHMS, TrainBatch
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.models import ModelConfig
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
+from feynrl_jax.sharding import batch_size_multiple
 from feynrl_jax.train import run_setup
 from feynrl_jax.train.critic import critic_params_shape, critic_values, init_critic_params, make_critic_train_step
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
 from feynrl_jax.train.nonfinite import NonFiniteGuard
 from feynrl_jax.train.rl_batch import rollouts_to_batch, sequence_reward_at_last_token
+from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_prefix_rows
 from feynrl_jax.train.state import TrainState, create_train_state
 from feynrl_jax.train.step import make_train_step
 from feynrl_jax.train.supervised_loop import abstract_train_state
@@ -133,6 +142,23 @@ def _rows(batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
     return jax.tree.map(lambda x: x[rows], batch)
 
 
+def _shared_layout_batch(batch: TrainBatch, shared: SharedPrefixRows) -> TrainBatch:
+    """A row-layout RL batch moved to the shared-prefix layout (every per-token field packed)."""
+    pack = lambda x: None if x is None else shared.pack(x)  # noqa: E731
+    return TrainBatch(
+        tokens=shared.tokens,
+        positions=shared.positions,
+        segment_ids=shared.segment_ids,
+        loss_mask=pack(batch.loss_mask),
+        advantages=pack(batch.advantages),
+        old_logprobs=pack(batch.old_logprobs),
+        ref_logprobs=pack(batch.ref_logprobs),
+        behavior_logprobs=pack(batch.behavior_logprobs),
+        values=pack(batch.values),
+        returns=pack(batch.returns),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     """Where a (re)started run begins: `step` updates done, and the driver's state at that step.
@@ -170,6 +196,14 @@ class RLTrainer:
         self.temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
         self.recompute_old = config.train.recompute_old_logprobs
         self.total_updates = config.train.steps * config.train.ppo_epochs * config.train.mini_batches
+        # One update per step: its own forward pass runs on the pre-update params, so it gives pi_old (and the
+        # mismatch and entropy metrics) without a separate pass.
+        self.separate_old_pass = self.recompute_old and config.train.ppo_epochs * config.train.mini_batches > 1
+        self.prompt_width = config.data.max_prompt_len
+        self.group_size = config.rollout.n_samples
+        self.shared_prefix = self._choose_shared_prefix(config)
+        first_column = self.prompt_width if self.shared_prefix else 1
+        rows_per_sample = 1.0 / self.group_size if self.shared_prefix else 1.0
         self.optimizer, schedule = run_setup.build_optimizer(config.optim, self.total_updates)
         self.train_step = make_train_step(
             self.algorithm.make_loss(**loss_hyperparameters(config)),
@@ -180,15 +214,19 @@ class RLTrainer:
             grad_accum=self.plan.grad_accum_steps,
             with_entropy=self.algorithm.uses_entropy,
             temperature=self.temperature,
+            logprob_first_column=first_column,
+            old_logprobs_from_current=self.recompute_old and not self.separate_old_pass,
+            logprob_diagnostics=not self.separate_old_pass,
             learning_rate_fn=schedule,
         )
         self.logprobs = make_logprob_fn(
             self.model_config,
             self.mesh,
             self.rules,
-            chunk_rows=self.plan.micro_batch_size,
+            chunk_rows=int(self.plan.micro_batch_size * rows_per_sample),
             temperature=self.temperature,
             with_entropy=True,
+            first_column=first_column,
         )
         self.critic_step = None
         if self.algorithm.needs_critic:
@@ -218,6 +256,42 @@ class RLTrainer:
         self.reference: Any = None
         self.policy_version = 0
         self.evaluator = None
+
+    def _choose_shared_prefix(self, config: ConfigDict) -> bool:
+        """Whether forward and backward passes run on the shared-prefix layout (`train.shared_prefix`).
+
+        "off" never; "on" always (an error when the batch plan cannot keep groups whole); "auto" when groups
+        stay whole and the layout costs fewer FLOPs (`cheaper_than_rows`).
+
+        Raises:
+            ValueError: naming `train.shared_prefix` when it is "on" but the layout cannot be used.
+        """
+        mode = config.train.shared_prefix
+        if mode == "off":
+            return False
+        n, micro, shards = self.group_size, self.plan.micro_batch_size, batch_size_multiple(self.mesh)
+        why = None
+        if n < 2:
+            why = "rollout.n_samples is 1, so no two samples share a prompt"
+        elif micro % n or (micro // n) % shards:
+            why = (
+                f"a micro-batch of {micro} sequences (train.micro_batch_size, or the mini-batch) is not a whole "
+                f"number of groups of rollout.n_samples={n} spread over the {shards} batch shard(s) of the mesh"
+            )
+        elif mode == "auto" and not cheaper_than_rows(
+            self.model_config,
+            group_size=n,
+            seq_len=self.seq_len,
+            prompt_width=self.prompt_width,
+            completion_width=n * config.rollout.max_new_tokens,
+        ):
+            why = "one row per sample costs fewer FLOPs at these lengths"
+        if why is None:
+            return True
+        if mode == "on":
+            raise ValueError(f"train.shared_prefix='on' cannot be used: {why}")
+        log.info("training on one row per sample (train.shared_prefix=auto): %s", why)
+        return False
 
     # Start-up ------------------------------------------------------------------------------------------------
 
@@ -329,26 +403,43 @@ class RLTrainer:
         batch = rollouts_to_batch(
             rollouts, np.zeros(rollouts.completion_mask.shape, np.float32), seq_len=self.seq_len, pad_id=self.pad_id
         )
-        placed = self.train_step.place_batch(batch)
-        lp, entropy = self.logprobs(self.state.params, placed.tokens, placed.positions, placed.segment_ids)
-        lp, entropy = np.asarray(lp, np.float32), np.asarray(entropy, np.float32)
+        shared = None
+        if self.shared_prefix:
+            shared = shared_prefix_rows(
+                rollouts,
+                prompt_width=self.prompt_width,
+                completion_width=self.group_size * self.config.rollout.max_new_tokens,
+                pad_id=self.pad_id,
+            )
+        # Forward passes run on the training layout; their per-token outputs come back to the row layout.
+        inputs = shared if shared is not None else batch
+        placed = [self.train_step.place_batch(x) for x in (inputs.tokens, inputs.positions, inputs.segment_ids)]
+        to_rows = (
+            (lambda x: np.asarray(x, np.float32))
+            if shared is None
+            else (lambda x: shared.unpack(np.asarray(x, np.float32), self.seq_len))
+        )
         mask = batch.loss_mask
-        metrics = completion_logprob_mismatch(batch.behavior_logprobs, lp, mask)
-        metrics["rollout/old_logprobs_recomputed"] = float(self.recompute_old)
-        metrics["train/entropy"] = float((entropy * mask).sum() / max(mask.sum(), 1.0))
-        old = lp * mask if self.recompute_old else batch.behavior_logprobs
+        metrics = {
+            "rollout/old_logprobs_recomputed": float(self.recompute_old),
+            "train/shared_prefix": float(shared is not None),
+        }
+        lp = None
+        if self.separate_old_pass:
+            lp, entropy = (to_rows(x) for x in self.logprobs(self.state.params, *placed))
+            metrics.update(completion_logprob_mismatch(batch.behavior_logprobs, lp, mask))
+            metrics["train/entropy"] = float((entropy * mask).sum() / max(mask.sum(), 1.0))
+        # With one update, the train step replaces `old` by its own log-probabilities when recomputing.
+        old = lp * mask if lp is not None else batch.behavior_logprobs
         ref = None
         if self.reference is not None:
-            ref_lp, _ = self.logprobs(self.reference, placed.tokens, placed.positions, placed.segment_ids)
-            ref = np.asarray(ref_lp, np.float32) * mask
-            log_ratio = (ref - lp)[mask > 0].astype(np.float64)
-            metrics["train/kl_ref"] = float(np.mean(np.exp(log_ratio) - 1.0 - log_ratio)) if log_ratio.size else 0.0
+            ref = to_rows(self.logprobs(self.reference, *placed)[0]) * mask
+            if lp is not None:
+                log_ratio = (ref - lp)[mask > 0].astype(np.float64)
+                metrics["train/kl_ref"] = float(np.mean(np.exp(log_ratio) - 1.0 - log_ratio)) if log_ratio.size else 0.0
         values = returns = None
         if self.critic_step is not None:
-            values = np.asarray(
-                self._values(self.critic_state.params, placed.tokens, placed.positions, placed.segment_ids)
-            )
-            values = values * mask
+            values = to_rows(self._values(self.critic_state.params, *placed)) * mask
             token_rewards = sequence_reward_at_last_token(rewards, rollouts, self.seq_len)
             done = jnp.asarray(rollouts.finish_reason == FINISH_STOP)
             adv, ret = gae(
@@ -371,14 +462,18 @@ class RLTrainer:
         valid_adv = advantages[mask > 0]
         metrics["train/advantage_mean"] = float(valid_adv.mean()) if valid_adv.size else 0.0
         metrics["train/advantage_abs_mean"] = float(np.abs(valid_adv).mean()) if valid_adv.size else 0.0
+        sample_tokens = float((batch.segment_ids > 0).sum())
+        if shared is not None:
+            batch = _shared_layout_batch(batch, shared)
         prep_seconds = time.perf_counter() - t0
 
         t1 = time.perf_counter()
         order = np.random.default_rng(shuffle_seed)
-        size = self.plan.mini_batch_size
+        units = batch.tokens.shape[0]  # samples, or groups in the shared-prefix layout
+        size = units // self.config.train.mini_batches
         records, critic_records = [], []
         for _ in range(self.config.train.ppo_epochs):
-            perm = order.permutation(n)
+            perm = order.permutation(units)
             for m in range(self.config.train.mini_batches):
                 mini = self.train_step.place_batch(_rows(batch, perm[m * size : (m + 1) * size]))
                 self.state, update_metrics = self.train_step(self.state, mini)
@@ -393,7 +488,7 @@ class RLTrainer:
         if critic_records:
             metrics.update(mean_of_updates(critic_records))
         self.policy_version += 1
-        tokens = float((batch.segment_ids > 0).sum()) * self.config.train.ppo_epochs
+        tokens = sample_tokens * self.config.train.ppo_epochs
         metrics.update(
             {
                 "train/policy_version": float(self.policy_version),

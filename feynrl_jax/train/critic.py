@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from feynrl_jax.losses import LossSum, TrainBatch, aggregation
 from feynrl_jax.losses import metrics as metrics_lib
-from feynrl_jax.models import ModelConfig, forward, init_params, logical_axes
+from feynrl_jax.models import ModelConfig, forward, init_params, logical_axes, predecessor_hidden
 from feynrl_jax.sharding.rules import Rules
 from feynrl_jax.train.step import TrainStep, make_train_step
 
@@ -93,13 +93,11 @@ def critic_values(
     """
     hidden, _ = forward(params["backbone"], tokens, positions, config=config, segment_ids=segment_ids, remat=remat)
     head = params["value_head"]
-    per_position = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
-    values = jnp.concatenate([jnp.zeros_like(per_position[:, :1]), per_position[:, :-1]], axis=1)
-    # The first token of a packed segment has no state before it inside its segment.
-    first = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-    )
-    return jnp.where(first | (segment_ids == 0), 0.0, values)
+    # The state before token t is the one that predicts it (a shared-prefix continuation's first token: its
+    # prefix's last state); the first token of an ordinary segment has none inside its segment.
+    source, valid = predecessor_hidden(hidden, positions, segment_ids)
+    values = jnp.einsum("btd,d->bt", source.astype(jnp.float32), head["kernel"]) + head["bias"]
+    return jnp.concatenate([jnp.zeros_like(values[:, :1]), jnp.where(valid, values, 0.0)], axis=1)
 
 
 def value_loss(

@@ -32,6 +32,7 @@ def make_logprob_fn(
     temperature: float = 1.0,
     with_entropy: bool = False,
     seq_chunk_size: int = 256,
+    first_column: int = 1,
     compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
     """Builds ``fn(params, tokens, positions, segment_ids) -> (logprobs [B, T] f32, entropy [B, T] f32 | None)``.
@@ -44,6 +45,7 @@ def make_logprob_fn(
         temperature: the sampling temperature (logits are divided by it), as in the train step.
         with_entropy: also return the entropy.
         seq_chunk_size: sequence chunk of the output projection.
+        first_column: no token before this column is scored (the shared-prefix layout's prompt width).
         compiler_options: XLA options for the program (see ``make_train_step``).
 
     Returns:
@@ -67,6 +69,7 @@ def make_logprob_fn(
             temperature=temperature,
             with_entropy=with_entropy,
             chunk_size=seq_chunk_size,
+            first_column=first_column,
         )
         return lp, (ent if with_entropy else jnp.zeros((), jnp.float32))
 

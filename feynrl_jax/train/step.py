@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics, compute_metrics
+from feynrl_jax.losses.metrics import Metric, max_metric, mean_metric
 from feynrl_jax.models import ModelConfig, init_params, logical_axes, sequence_logprobs
 from feynrl_jax.sharding import (
     batch_size_multiple,
@@ -52,7 +53,12 @@ LogprobFn = Callable[[Any, TrainBatch, bool], tuple[jax.Array, jax.Array | None]
 
 
 def model_logprob_fn(
-    config: ModelConfig, *, temperature: float = 1.0, chunk_size: int = 256, remat: str | None = None
+    config: ModelConfig,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    remat: str | None = None,
+    first_column: int = 1,
 ) -> LogprobFn:
     """The policy's log-probabilities of ``batch.tokens`` under ``config``'s model (contract alignment).
 
@@ -61,6 +67,7 @@ def model_logprob_fn(
         temperature: the sampling temperature the rollouts used (logits are divided by it).
         chunk_size: sequence positions per chunk of the output projection (bounds the ``[B, T, V]`` logits).
         remat: rematerialisation policy for the layers ("none", "full", "dots"; None: ``config.remat``).
+        first_column: no token before this column is scored (the shared-prefix layout's prompt width).
 
     Returns:
         A ``LogprobFn``.
@@ -77,9 +84,38 @@ def model_logprob_fn(
             with_entropy=with_entropy,
             chunk_size=chunk_size,
             remat=remat,
+            first_column=first_column,
         )
 
     return fn
+
+
+def logprob_diagnostic_metrics(logprobs: jax.Array, entropy: jax.Array, batch: TrainBatch) -> dict[str, Metric]:
+    """The current policy against the rollout engine (and the reference) on the batch's ``loss_mask`` tokens.
+
+    Args:
+        logprobs: ``[B, T]`` current-policy log-probabilities.
+        entropy: ``[B, T]`` entropy of each predictive distribution.
+        batch: the batch; ``behavior_logprobs`` is required, ``ref_logprobs`` optional.
+
+    Returns:
+        ``rollout/logprob_mismatch_kl``: mean of ``behaviour - current`` (a k1 estimate of KL(behaviour ||
+        current), the tokens being samples of the behaviour policy); ``rollout/logprob_mismatch_k3``: mean of
+        ``exp(c - b) - 1 - (c - b)``; ``rollout/logprob_mismatch_max_abs``; ``train/entropy``; with a reference,
+        ``train/kl_ref``, the k3 estimate of KL(current || reference).
+    """
+    mask = batch.loss_mask
+    diff = batch.behavior_logprobs - logprobs
+    out = {
+        "rollout/logprob_mismatch_kl": mean_metric(diff, mask),
+        "rollout/logprob_mismatch_k3": mean_metric(jnp.exp(-diff) - 1.0 + diff, mask),
+        "rollout/logprob_mismatch_max_abs": max_metric(jnp.abs(diff), mask),
+        "train/entropy": mean_metric(entropy, mask),
+    }
+    if batch.ref_logprobs is not None:
+        log_ratio = batch.ref_logprobs - logprobs
+        out["train/kl_ref"] = mean_metric(jnp.exp(log_ratio) - 1.0 - log_ratio, mask)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +191,10 @@ def make_train_step(
     with_entropy: bool = False,
     temperature: float = 1.0,
     logprob_chunk_size: int = 256,
+    logprob_first_column: int = 1,
     remat: str | None = None,
+    old_logprobs_from_current: bool = False,
+    logprob_diagnostics: bool = False,
     learning_rate_fn: optax.Schedule | None = None,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
@@ -180,7 +219,15 @@ def make_train_step(
         with_entropy: compute the policy entropy and pass it to the loss as ``entropy=``.
         temperature: sampling temperature of the rollouts (logits are divided by it).
         logprob_chunk_size: sequence chunk of the output projection.
+        logprob_first_column: no token before this column is scored (see ``model_logprob_fn``).
         remat: rematerialisation policy passed to the model ("none", "full", "dots"; None: ``config.remat``).
+        old_logprobs_from_current: the ratio's denominator is the current params' own log-probabilities (with no
+            gradient) instead of ``batch.old_logprobs``. With one update per batch these are the pre-update
+            policy's, so an RL step needs no separate forward pass to recompute them.
+        logprob_diagnostics: also report, over ``loss_mask`` tokens, the current policy's entropy
+            (``train/entropy``), its mismatch with ``batch.behavior_logprobs`` (``rollout/logprob_mismatch_kl``,
+            ``_k3``, ``_max_abs``: see ``logprob_diagnostic_metrics``) and, when the batch has
+            ``ref_logprobs``, the k3 KL to the reference (``train/kl_ref``).
         learning_rate_fn: the optimizer's schedule, to report ``train/learning_rate``.
         donate: donate the input state's buffers to the output (halves peak memory; the input is consumed).
         compiler_options: XLA options for this program (e.g. ``{"xla_backend_optimization_level": 0}`` to
@@ -201,7 +248,13 @@ def make_train_step(
     if logprob_fn is None:
         if config is None:
             raise ValueError("make_train_step needs `config` (the model) or a custom `logprob_fn`")
-        logprob_fn = model_logprob_fn(config, temperature=temperature, chunk_size=logprob_chunk_size, remat=remat)
+        logprob_fn = model_logprob_fn(
+            config,
+            temperature=temperature,
+            chunk_size=logprob_chunk_size,
+            remat=remat,
+            first_column=logprob_first_column,
+        )
     if params_logical_axes is None:
         if config is None:
             raise ValueError("a custom `logprob_fn` without `config` needs `params_logical_axes`")
@@ -224,9 +277,14 @@ def make_train_step(
     traces = [0]
 
     def micro_loss(params: Any, micro: TrainBatch) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
-        logprobs, entropy = logprob_fn(params, micro, with_entropy)
+        logprobs, entropy = logprob_fn(params, micro, with_entropy or logprob_diagnostics)
+        logprobs = logprobs.astype(jnp.float32)
+        if old_logprobs_from_current:
+            micro = dataclasses.replace(micro, old_logprobs=jax.lax.stop_gradient(logprobs) * micro.loss_mask)
         extra = {"entropy": entropy} if with_entropy else {}
-        loss_sum, metrics = loss_fn(logprobs.astype(jnp.float32), micro, **extra, **hyperparameters)
+        loss_sum, metrics = loss_fn(logprobs, micro, **extra, **hyperparameters)
+        if logprob_diagnostics:
+            metrics = {**metrics, **logprob_diagnostic_metrics(logprobs, entropy, micro)}
         return loss_sum.total, (loss_sum.denom, metrics)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)

@@ -1,0 +1,269 @@
+"""The shared-prefix layout: one row per group, completions sharing their prompt, equal to the row layout.
+
+The model's side (`feynrl_jax.models.segments`): masks, predecessors, log-probabilities, gradients and critic
+values in the shared layout equal those of one row per sample, on tiny random models with GQA, a sliding window
+and QK-norm. The trainer's side (`feynrl_jax.train.shared_prefix`): building the layout from rollouts, moving
+per-token arrays between layouts, bad input, and the cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from feynrl_jax.models import ModelConfig, init_params, sequence_logprobs
+from feynrl_jax.models.attention import packed_mask
+from feynrl_jax.models.segments import predecessor_index
+from feynrl_jax.rollout.types import FINISH_LENGTH, Rollouts
+from feynrl_jax.train.critic import critic_values, init_critic_params
+from feynrl_jax.train.rl_batch import rollout_tokens
+from feynrl_jax.train.shared_prefix import cheaper_than_rows, group_rows, shared_prefix_rows
+
+TINY = ModelConfig(
+    vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+)
+CONFIGS = {
+    "llama_gqa": TINY,
+    "window": dataclasses.replace(TINY, sliding_window=3, architecture="mistral"),
+    "qk_norm": dataclasses.replace(TINY, qk_norm=True, architecture="qwen3"),
+}
+
+
+def _rollouts(prompt_lengths=(5, 3), group=3, max_new=4, seed=0, vocab=61) -> Rollouts:
+    """Groups of `group` samples per prompt; completion lengths vary from 0 to `max_new`."""
+    rng = np.random.default_rng(seed)
+    n = len(prompt_lengths) * group
+    width = max(prompt_lengths)
+    prompt_ids = np.zeros((n, width), np.int32)
+    lengths = np.repeat(np.asarray(prompt_lengths, np.int32), group)
+    completion_lengths = rng.integers(0, max_new + 1, n)
+    completion_lengths[0] = max_new
+    completion_ids = np.zeros((n, max_new), np.int32)
+    for g, p in enumerate(prompt_lengths):
+        prompt = rng.integers(1, vocab, p)
+        prompt_ids[g * group : (g + 1) * group, :p] = prompt
+    for i, c in enumerate(completion_lengths):
+        completion_ids[i, :c] = rng.integers(1, vocab, c)
+    mask = (np.arange(max_new)[None, :] < completion_lengths[:, None]).astype(np.float32)
+    return Rollouts(
+        prompt_ids=prompt_ids,
+        prompt_lengths=lengths,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        behavior_logprobs=-rng.random((n, max_new)).astype(np.float32) * mask,
+        finish_reason=np.full(n, FINISH_LENGTH, np.int32),
+        group_id=np.repeat(np.arange(len(prompt_lengths), dtype=np.int32), group),
+        policy_version=np.zeros(n, np.int32),
+    )
+
+
+def _params(config: ModelConfig, seed: int = 0):
+    params = init_params(config, jax.random.key(seed))
+    return jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, params)  # non-trivial logits
+
+
+def _layouts(rollouts: Rollouts, prompt_width=6, completion_width=12):
+    seq_len = prompt_width + rollouts.completion_ids.shape[1]
+    rows = rollout_tokens(rollouts, seq_len, pad_id=0)
+    shared = shared_prefix_rows(rollouts, prompt_width=prompt_width, completion_width=completion_width, pad_id=0)
+    return rows, shared, seq_len
+
+
+# ---------------------------------------------------------------- the model's side
+
+
+def test_predecessor_index_ordinary_packing_and_continuations():
+    # Row 0: two ordinary packed segments. Row 1: padding, a root of 3 tokens, two continuations from position 3.
+    segment_ids = jnp.asarray([[1, 1, 1, 2, 2, 0, 0], [0, 1, 1, 1, 2, 2, 3]], jnp.int32)
+    positions = jnp.asarray([[0, 1, 2, 0, 1, 0, 0], [0, 0, 1, 2, 3, 4, 3]], jnp.int32)
+    index = np.asarray(predecessor_index(positions, segment_ids))
+    np.testing.assert_array_equal(index[0], [-1, 0, 1, -1, 3, -1, -1])
+    np.testing.assert_array_equal(index[1], [-1, -1, 1, 2, 3, 4, 3])
+
+
+def test_continuation_without_its_prefix_token_has_no_predecessor():
+    # A segment starting at position 5 behind a root holding only positions 0..2: nothing predicts its first token.
+    segment_ids = jnp.asarray([[1, 1, 1, 2, 2]], jnp.int32)
+    positions = jnp.asarray([[0, 1, 2, 5, 6]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(predecessor_index(positions, segment_ids))[0], [-1, 0, 1, -1, 3])
+
+
+def test_mask_continuations_see_their_prompt_not_their_siblings():
+    segment_ids = jnp.asarray([[0, 1, 1, 2, 2, 3, 3]], jnp.int32)
+    positions = jnp.asarray([[0, 0, 1, 2, 3, 2, 3]], jnp.int32)
+    mask = np.asarray(packed_mask(positions, segment_ids, None))[0]
+    assert mask[5].tolist() == [False, True, True, False, False, True, False]  # prompt + itself, not sibling 2
+    assert mask[4].tolist() == [False, True, True, True, True, False, False]
+    assert not mask[0].any()  # padding sees nothing
+    # Ordinary packing is unchanged: segment 2 of row 0 below starts at position 0 and sees only itself.
+    plain = np.asarray(packed_mask(jnp.asarray([[0, 1, 0, 1]]), jnp.asarray([[1, 1, 2, 2]]), None))[0]
+    assert plain[2].tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logprobs_and_gradients_equal_the_row_layout(name):
+    config = CONFIGS[name]
+    params = _params(config)
+    rollouts = _rollouts()
+    (tokens, positions, segments), shared, seq_len = _layouts(rollouts)
+    weights = np.random.default_rng(1).normal(size=tokens.shape).astype(np.float32)
+    shared_weights = shared.pack(weights)
+
+    def objective(params, tokens, positions, segments, weights, first_column):
+        lp, ent = sequence_logprobs(
+            params,
+            tokens,
+            positions,
+            config=config,
+            segment_ids=segments,
+            with_entropy=True,
+            first_column=first_column,
+        )
+        return jnp.sum(lp * weights), (lp, ent)
+
+    grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=5)
+    mask = np.zeros_like(weights)
+    mask[shared.sample_row[shared.sample_row >= 0], shared.sample_column[shared.sample_row >= 0]] = 1.0
+    (_, (lp_rows, ent_rows)), g_rows = grad(params, tokens, positions, segments, weights * mask, 1)
+    (_, (lp_shared, ent_shared)), g_shared = grad(
+        params, shared.tokens, shared.positions, shared.segment_ids, shared_weights, shared.prompt_width
+    )
+    np.testing.assert_allclose(shared.unpack(np.asarray(lp_shared), seq_len), np.asarray(lp_rows) * mask, atol=2e-5)
+    np.testing.assert_allclose(shared.unpack(np.asarray(ent_shared), seq_len), np.asarray(ent_rows) * mask, atol=2e-5)
+    assert np.abs(np.asarray(lp_rows) * mask).sum() > 1.0  # the comparison is not between zeros
+    for a, b in zip(jax.tree.leaves(g_rows), jax.tree.leaves(g_shared)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-5)
+
+
+def test_critic_values_equal_the_row_layout():
+    params = init_critic_params(_params(TINY), TINY)
+    params = {**params, "value_head": {"kernel": jnp.linspace(-1, 1, TINY.hidden_size), "bias": jnp.asarray(0.3)}}
+    rollouts = _rollouts(seed=3)
+    (tokens, positions, segments), shared, seq_len = _layouts(rollouts)
+    values = jax.jit(functools.partial(critic_values, config=TINY))
+    rows = np.asarray(values(params, tokens, positions, segments))
+    packed = np.asarray(values(params, shared.tokens, shared.positions, shared.segment_ids))
+    mask = shared.unpack(np.ones(shared.tokens.shape, np.float32), seq_len)
+    np.testing.assert_allclose(shared.unpack(packed, seq_len), rows * mask, atol=2e-5)
+
+
+# ---------------------------------------------------------------- the trainer's side
+
+
+def test_layout_from_rollouts():
+    rollouts = _rollouts(prompt_lengths=(5, 3), group=2, max_new=3, seed=4)
+    shared = shared_prefix_rows(rollouts, prompt_width=6, completion_width=6, pad_id=0)
+    assert shared.tokens.shape == (2, 12)
+    c = rollouts.completion_lengths
+    # Group 0: one pad, the 5-token prompt, then both completions back to back.
+    assert shared.segment_ids[0, :6].tolist() == [0, 1, 1, 1, 1, 1]
+    np.testing.assert_array_equal(shared.tokens[0, 1:6], rollouts.prompt_ids[0, :5])
+    np.testing.assert_array_equal(shared.tokens[0, 6 : 6 + c[0]], rollouts.completion_ids[0, : c[0]])
+    np.testing.assert_array_equal(shared.positions[0, 6 : 6 + c[0]], 5 + np.arange(c[0]))
+    np.testing.assert_array_equal(shared.tokens[0, 6 + c[0] : 6 + c[0] + c[1]], rollouts.completion_ids[1, : c[1]])
+    assert set(shared.segment_ids[1, 6 : 6 + c[2] + c[3]].tolist()) <= {2, 3}
+    # pack then unpack is the identity on completion tokens.
+    values = np.random.default_rng(0).normal(size=(4, 9)).astype(np.float32)
+    mask = (np.arange(9)[None] >= rollouts.prompt_lengths[:, None]) & (
+        np.arange(9)[None] < (rollouts.prompt_lengths + c)[:, None]
+    )
+    np.testing.assert_array_equal(shared.unpack(shared.pack(values), 9), values * mask)
+
+
+def test_bad_groups_are_refused_naming_the_row():
+    rollouts = _rollouts(prompt_lengths=(5, 3), group=2)
+    other = rollouts.prompt_ids.copy()
+    other[1, 0] = (other[1, 0] % 60) + 1
+    with pytest.raises(ValueError, match="row 1: its prompt differs from row 0"):
+        shared_prefix_rows(
+            dataclasses.replace(rollouts, prompt_ids=other), prompt_width=6, completion_width=8, pad_id=0
+        )
+    with pytest.raises(ValueError, match="row 0: prompt of 5 tokens is longer than the prompt width 4"):
+        shared_prefix_rows(rollouts, prompt_width=4, completion_width=8, pad_id=0)
+    with pytest.raises(ValueError, match="completions need more than 2 columns"):
+        shared_prefix_rows(rollouts, prompt_width=6, completion_width=2, pad_id=0)
+    with pytest.raises(ValueError, match="not consecutive"):
+        group_rows(np.asarray([0, 1, 0]))
+
+
+def test_cost_model_prefers_sharing_short_completions_not_long_ones():
+    smol = ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+    )
+    # The demo's shapes: 8 samples of 16 tokens behind a 64-token prompt width.
+    assert cheaper_than_rows(smol, group_size=8, seq_len=80, prompt_width=64, completion_width=128)
+    # Long generations behind a short prompt: the shared row's quadratic attention costs more.
+    assert not cheaper_than_rows(smol, group_size=16, seq_len=32832, prompt_width=64, completion_width=16 * 32768)
+
+
+# ---------------------------------------------------------------- the RL trainer in both layouts
+
+
+def _trainer_step(tmp_path, algo: str, mode: str, ppo_epochs: int):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+    import tiny_rl
+
+    from feynrl_jax.orchestration.trainer import RLTrainer
+
+    config = tiny_rl.get_config(algo)
+    config.run_dir = str(tmp_path / f"{algo}_{mode}_{ppo_epochs}")
+    config.train.shared_prefix = mode
+    config.train.mini_batches = 1
+    config.train.ppo_epochs = ppo_epochs
+    # 8 groups of 2: one group per fake CPU device in both layouts.
+    config.rollout.n_samples = 2
+    config.train.micro_batch_size = 0
+    config.checkpoint.every_steps = 0
+    trainer = RLTrainer(config)
+    trainer.start()
+    assert trainer.shared_prefix == (mode == "on")
+    vocab = trainer.model_config.vocab_size
+    rollouts = _rollouts(prompt_lengths=(30, 7, 19, 12, 3, 40, 22, 9), group=2, max_new=16, seed=5, vocab=vocab)
+    rewards = np.random.default_rng(0).integers(0, 2, 16).astype(np.float32)
+    metrics = trainer.train(rollouts, rewards, step=1, shuffle_seed=0, rng=np.zeros(2, np.uint32), data_state=None)
+    params = trainer.host_params()
+    trainer.close()
+    return metrics, params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, ppo_epochs", [("grpo", 1), ("ppo", 1), ("cispo", 2)])
+def test_rl_trainer_step_is_the_same_in_both_layouts(tmp_path, algo, ppo_epochs):
+    """One trainer step on the same rollouts, one row per sample vs one row per group: same losses, gradients,
+    metrics and updated params (one update: pi_old from the update's own pass; two: from a separate pass)."""
+    rows, rows_params = _trainer_step(tmp_path, algo, "off", ppo_epochs)
+    shared, shared_params = _trainer_step(tmp_path, algo, "on", ppo_epochs)
+    assert rows["train/shared_prefix"] == 0.0 and shared["train/shared_prefix"] == 1.0
+    for key in (
+        "train/loss",
+        "train/grad_norm",
+        "train/entropy",
+        "rollout/logprob_mismatch_kl",
+        "rollout/logprob_mismatch_max_abs",
+        "train/advantage_abs_mean",
+        "perf/train_tokens_per_second",
+    ):
+        if key == "perf/train_tokens_per_second":
+            continue  # a time; only its presence is checked
+        np.testing.assert_allclose(shared[key], rows[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert rows["train/grad_norm"] > 0
+    # Adam's first step moves each weight by about lr * sign(gradient): where a gradient is ~0, rounding can tip
+    # it. Nearly every weight must agree to 1e-6, and none may differ by more than the two-sided step 2 * lr.
+    diff = np.concatenate(
+        [np.abs(a - b).ravel() for a, b in zip(jax.tree.leaves(rows_params), jax.tree.leaves(shared_params))]
+    )
+    assert np.mean(diff > 1e-6) < 1e-4 and diff.max() <= 2.5e-4, (np.mean(diff > 1e-6), diff.max())
