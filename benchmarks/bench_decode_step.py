@@ -5,6 +5,11 @@ position into a cache of S positions; the step is jitted with the cache donated,
 runs it. A decode step reads every weight once, so it takes at least weight bytes / copy bandwidth (a large numpy
 copy, read + write counted as STREAM's Copy); the ratio says how far the step is from that bound.
 
+Two layer layouts run side by side, their steps alternating in one process: stacked layers under `lax.scan`
+(the trainer's params) and per-layer params with a per-layer cache (`unstack_layers`, `KVCache.unstack`: the
+native engine's decode layout). The engine splits and re-stacks its cache once per dispatch; that copy's time
+is printed too (divide by the decode steps per dispatch for its share of a step).
+
 Run:
     python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10
 """
@@ -28,7 +33,7 @@ import numpy as np  # noqa: E402
 from bench_rollout import copy_bandwidth  # noqa: E402  (this folder is on sys.path when run as a script)
 
 from feynrl_jax.checkpoints import smollm2_checkpoint_dir  # noqa: E402
-from feynrl_jax.models import KVCache, ModelConfig, forward, init_params, logits  # noqa: E402
+from feynrl_jax.models import KVCache, ModelConfig, forward, init_params, logits, unstack_layers  # noqa: E402
 
 
 def main():
@@ -56,29 +61,54 @@ def main():
         return logits(params, hidden, config=config), cache
 
     step = jax.jit(step, donate_argnums=3)
-    start = time.perf_counter()
-    out, cache = step(params, tokens, positions, cache)
-    jax.block_until_ready(out)
-    compile_s = time.perf_counter() - start
-    times = []
-    for _ in range(args.steps):
+    # The two layer layouts, timed alternately in one process: stacked layers run by lax.scan (the trainer's
+    # layout) and per-layer params with a per-layer cache (the native engine's decode layout).
+    layout_params = {"stacked (lax.scan)": params, "per-layer (unrolled)": unstack_layers(params)}
+    caches = {"stacked (lax.scan)": cache, "per-layer (unrolled)": cache.unstack()}  # the unstacked one copies
+    times = {}
+    for name in layout_params:
         start = time.perf_counter()
-        out, cache = step(params, tokens, positions, cache)
-        jax.block_until_ready((out, cache))
-        times.append(time.perf_counter() - start)
-    step_s = float(np.median(times))
+        out, caches[name] = step(layout_params[name], tokens, positions, caches[name])
+        jax.block_until_ready(out)
+        print(f"{name}: compile + first step {time.perf_counter() - start:.1f} s")
+        times[name] = []
+    for _ in range(args.steps):
+        for name in times:
+            start = time.perf_counter()
+            out, caches[name] = step(layout_params[name], tokens, positions, caches[name])
+            jax.block_until_ready((out, caches[name]))
+            times[name].append(time.perf_counter() - start)
+
+    # The engine splits the stacked cache once per dispatch and re-stacks it after: its cost per dispatch.
+    # (Two programs: in one, XLA would cancel the pair.)
+    split, stack = (jax.jit(lambda c: c.unstack(), donate_argnums=0), jax.jit(lambda c: c.stack(), donate_argnums=0))
+    stacked_cache = jax.block_until_ready(stack(split(caches["stacked (lax.scan)"])))
+    copy_times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        stacked_cache = jax.block_until_ready(stack(split(stacked_cache)))
+        copy_times.append(time.perf_counter() - start)
 
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     bandwidth = copy_bandwidth(1 << 28)
     bound_s = weight_bytes / bandwidth
     print(f"SmolLM2-135M shapes ({config.num_params / 1e6:.1f}M params, random init), float32, B={batch}, T=1")
     print(f"cache length S={cache_len}, rows at positions 0..S-1")
-    print(f"devices: {jax.devices()}, cpu cores: {os.cpu_count()}; compile + first step {compile_s:.1f} s")
-    print(f"decode step: median {step_s * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms over {args.steps} steps")
+    print(f"devices: {jax.devices()}, cpu cores: {os.cpu_count()}")
     print(
         f"bandwidth bound: weights {weight_bytes / 2**20:.0f} MiB / copy bandwidth {bandwidth / 1e9:.1f} GB/s "
-        f"= {bound_s * 1e3:.1f} ms/step; measured / bound = {step_s / bound_s:.1f}x"
+        f"= {bound_s * 1e3:.1f} ms/step"
     )
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    for name, t in times.items():
+        print(
+            f"decode step, {name}: median {medians[name] * 1e3:.1f} ms, min {min(t) * 1e3:.1f} ms over "
+            f"{args.steps} steps; measured / bound = {medians[name] / bound_s:.1f}x"
+        )
+    (stacked, stacked_s), (per_layer, per_layer_s) = medians.items()
+    min_ratio = min(times[per_layer]) / min(times[stacked])
+    print(f"per-layer / stacked = {per_layer_s / stacked_s:.2f} (medians), {min_ratio:.2f} (minima)")
+    print(f"engine's split + re-stack of the cache, once per dispatch: {min(copy_times) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from feynrl_jax.models import KVCache, ModelConfig
+from feynrl_jax.models import KVCache, ModelConfig, unstack_layers
 from feynrl_jax.rollout import sampling as sampling_lib
 from feynrl_jax.rollout.decode import decode_dispatch
 from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket, prefill
@@ -128,14 +128,19 @@ class NativeEngine:
             return constrain(state), *outputs
 
         self._decode = jax.jit(dispatch, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=1)
+        self._unstack_layers = jax.jit(unstack_layers)
         self._state = self._init_state()
         self.load_params(params, policy_version)
 
     def load_params(self, params: Any, version: int) -> None:
-        """Replaces the params used by later `generate` calls; their rollouts carry `policy_version=version`."""
+        """Replaces the params used by later `generate` calls; their rollouts carry `policy_version=version`.
+
+        The engine keeps the layers split into per-layer arrays (`unstack_layers`, one copy made here), which
+        prefill and decode read without the per-layer slice copies of a scan over stacked layers.
+        """
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
-        self._params = params
+        self._params = self._unstack_layers(params)
         self.policy_version = int(version)
 
     def generate(
