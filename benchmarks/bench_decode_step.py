@@ -7,8 +7,7 @@ copy, read + write counted as STREAM's Copy); the ratio says how far the step is
 
 Two layer layouts run side by side, their steps alternating in one process: stacked layers under `lax.scan`
 (the trainer's params) and per-layer params with a per-layer cache (`unstack_layers`, `KVCache.unstack`: the
-native engine's decode layout). The engine splits and re-stacks its cache once per dispatch; that copy's time
-is printed too (divide by the decode steps per dispatch for its share of a step).
+native engine's layout).
 
 Run:
     python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10
@@ -79,16 +78,6 @@ def main():
             jax.block_until_ready((out, caches[name]))
             times[name].append(time.perf_counter() - start)
 
-    # The engine splits the stacked cache once per dispatch and re-stacks it after: its cost per dispatch.
-    # (Two programs: in one, XLA would cancel the pair.)
-    split, stack = (jax.jit(lambda c: c.unstack(), donate_argnums=0), jax.jit(lambda c: c.stack(), donate_argnums=0))
-    stacked_cache = jax.block_until_ready(stack(split(caches["stacked (lax.scan)"])))
-    copy_times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        stacked_cache = jax.block_until_ready(stack(split(stacked_cache)))
-        copy_times.append(time.perf_counter() - start)
-
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     bandwidth = copy_bandwidth(1 << 28)
     bound_s = weight_bytes / bandwidth
@@ -108,7 +97,6 @@ def main():
     (stacked, stacked_s), (per_layer, per_layer_s) = medians.items()
     min_ratio = min(times[per_layer]) / min(times[stacked])
     print(f"per-layer / stacked = {per_layer_s / stacked_s:.2f} (medians), {min_ratio:.2f} (minima)")
-    print(f"engine's split + re-stack of the cache, once per dispatch: {min(copy_times) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

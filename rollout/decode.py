@@ -35,7 +35,8 @@ def decode_dispatch(
     """Runs `steps` decode steps for every slot (jit with keyword arguments static and the state donated).
 
     Args:
-      params: model params, layers stacked or per layer (`feynrl_jax.models.unstack_layers`, faster on CPU).
+      params: model params, layers stacked or per layer (`feynrl_jax.models.unstack_layers`; with the state's
+        per-layer cache, no step copies a layer's weights or cache).
       state: the decode state.
       stop_token_ids: `[S]` int32 (may be empty); sampling one finishes the sequence with reason "stop".
       temperature, top_p, min_new_tokens: scalars (traced: changing them does not recompile).
@@ -78,12 +79,5 @@ def decode_dispatch(
         )
         return state, (token, logprob, emitted)
 
-    # With per-layer params the steps update per-layer cache arrays in place; splitting the stacked cache once
-    # per dispatch (one copy there and one back) replaces a copy of every layer's slice at every step.
-    unrolled = isinstance(params["layers"], tuple)
-    if unrolled:
-        state = state._replace(cache=state.cache.unstack())
     state, (tokens, logprobs, emitted) = jax.lax.scan(step, state, None, length=steps)
-    if unrolled:
-        state = state._replace(cache=state.cache.stack())
     return state, tokens.T, logprobs.T, emitted.T

@@ -3,8 +3,8 @@
 The design follows JetStream (Google's JAX inference engine) and the continuous batching of Orca (Yu et al.,
 2022, "Orca: A Distributed Serving System for Transformer-Based Generative Models", OSDI):
 
-  - a fixed number of decode slots share one KV cache (`[L, slots, K, ., .]`); shapes never change, so the
-    decode step compiles once;
+  - a fixed number of decode slots share one KV cache (per layer, `[slots, K, ., .]`); shapes never change, so
+    the decode step compiles once;
   - a prompt is prefilled once (padded to a power-of-two bucket) and its KV is inserted into as many slots as it
     has samples (`n`), when slots free up;
   - one jitted dispatch advances every live slot `decode_steps_per_dispatch` tokens (`lax.scan`);
@@ -17,9 +17,14 @@ off. With top-k or top-p on they differ by design: the engine reports the exact 
 distribution it sampled from (see `sampling.py`).
 
 Sharding: pass `param_shardings` (a pytree of `jax.sharding.Sharding` matching the params, e.g. from the
-logical-axis rules of `feynrl_jax.sharding`) and `cache_sharding` (a `NamedSharding` for the cache:
-`[L, slots, K, Dh, S]` keys, `[L, slots, K, S, Dh]` values; typically `P(None, None, "tensor", None, None)` for
-tensor parallelism over KV heads); the compiled steps are then partitioned by XLA (GSPMD) over that mesh.
+logical-axis rules of `feynrl_jax.sharding`) and `cache_sharding` (a `NamedSharding` for the cache as if it were
+stacked: `[L, slots, K, Dh, S]` keys, `[L, slots, K, S, Dh]` values; typically `P(None, None, "tensor", None,
+None)` for tensor parallelism over KV heads; the layer axis must not be sharded, since the engine keeps one array
+per layer); the compiled steps are then partitioned by XLA (GSPMD) over that mesh.
+
+Speed: the engine holds its params and cache split per layer (`unstack_layers`, `KVCache.unstack`) and
+`forward` runs the layers in a Python loop, so no step copies a layer's weights or cache out of a stacked
+array (about a fifth of a CPU decode step; `benchmarks/bench_decode_step.py`).
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ class NativeEngine:
         batching", kept for benchmarks).
       detokenize: token ids -> text; needed for `SamplingParams.stop_strings`.
       param_shardings: optional pytree of shardings matching `params`.
-      cache_sharding: optional sharding of the KV cache (k `[L, slots, K, Dh, S]`, v `[L, slots, K, S, Dh]`).
+      cache_sharding: optional sharding of the KV cache as if stacked (k `[L, slots, K, Dh, S]`, v `[L, slots, K,
+        S, Dh]`), the layer axis unsharded; each layer's array gets it without the layer axis.
       policy_version: version of `params`.
 
     Attributes:
@@ -99,8 +105,10 @@ class NativeEngine:
         state_shardings = None
         if cache_sharding is not None:
             replicated = jax.sharding.NamedSharding(cache_sharding.mesh, jax.sharding.PartitionSpec())
+            layer_sharding = _per_layer_sharding(cache_sharding)
+            layers = (layer_sharding,) * config.num_layers
             state_shardings = DecodeState(
-                cache=KVCache(k=cache_sharding, v=cache_sharding),
+                cache=KVCache(k=layers, v=layers),
                 tokens=replicated,
                 positions=replicated,
                 active=replicated,
@@ -327,6 +335,14 @@ class NativeEngine:
         if entry[1] == 0:
             del prefixes[prompt_index]  # every sample inserted: free the prefix KV
         return state
+
+
+def _per_layer_sharding(cache_sharding: jax.sharding.Sharding) -> jax.sharding.NamedSharding:
+    """The sharding of one layer's cache (`[slots, K, ., .]`) from that of the stacked `[L, slots, K, ., .]`."""
+    spec = tuple(cache_sharding.spec) + (None,) * (5 - len(cache_sharding.spec))
+    if spec[0] is not None:
+        raise ValueError(f"NativeEngine: cache_sharding must not shard the layer axis, got {cache_sharding.spec}")
+    return jax.sharding.NamedSharding(cache_sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
 
 
 def _floor_pow2(x: int) -> int:

@@ -44,6 +44,9 @@ _NO_WINDOW = 2**30
 class KVCache:
     """Keys and values of every layer, indexed by position.
 
+    Stacked (the arrays below) or per layer (`unstack`: `k` and `v` tuples of `L` arrays without the layer axis,
+    the native engine's decode layout); `forward` takes and returns either.
+
     Attributes:
         k: `[L, B, K, Dh, S]` keys (RoPE applied) in compute dtype, stored transposed: entry `[l, b, :, :, p]`
             holds position `p` of row b. Decode attention then multiplies each head's query by a plain `[Dh, S]`
@@ -225,8 +228,8 @@ def forward(
         positions: `[B, T]` int32 positions (restart at 0 in every packed segment).
         config: the model config (static under jit).
         segment_ids: `[B, T]` int32, 0 marks padding; None means every token is real and one segment per row.
-        cache: a `KVCache` with S >= max position + 1, or None. With per-layer params its `k` and `v` may also
-            be tuples of per-layer arrays (`KVCache.unstack`), which the layers then update without slicing.
+        cache: a `KVCache` with S >= max position + 1, or None; stacked or per layer (`KVCache.unstack`). Per-layer
+            params update a per-layer cache in place, without the copies of slicing a stacked one (decoding).
         remat: rematerialisation policy for the backward pass ("none", "full", "dots"); None uses
             `config.remat`.
 
@@ -294,7 +297,10 @@ def forward(
 
 
 def _scanned_layers(block, packed_attention, cached_attention, x, layers, cache, config):
-    """`lax.scan` over stacked layers."""
+    """`lax.scan` over stacked layers; a per-layer cache is stacked and split again."""
+    per_layer = cache is not None and isinstance(cache.k, tuple)
+    if per_layer:
+        cache = cache.stack()
     windows = jnp.asarray([_NO_WINDOW if w is None else w for w in config.layer_windows()], jnp.int32)
     any_window = any(w is not None for w in config.layer_windows())
 
@@ -318,7 +324,10 @@ def _scanned_layers(block, packed_attention, cached_attention, x, layers, cache,
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
     layer_index = jnp.arange(config.num_layers)
     (x, ck, cv), _ = jax.lax.scan(layer, (x, ck, cv), (layers, windows, layer_index))
-    return x, (None if cache is None else KVCache(k=ck, v=cv))
+    if cache is None:
+        return x, None
+    cache = KVCache(k=ck, v=cv)
+    return x, (cache.unstack() if per_layer else cache)
 
 
 def _unrolled_layers(block, packed_attention, cached_attention, x, layers, cache, config):
