@@ -9,13 +9,17 @@ Two layer layouts run side by side, their steps alternating in one process: stac
 (the trainer's params) and per-layer params with a per-layer cache (`unstack_layers`, `KVCache.unstack`: the
 native engine's layout).
 
+`--dispatch-steps N` also times the engine's whole decode dispatch (N steps in one `lax.scan`, greedy sampling
+included) in both layouts.
+
 Run:
-    python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10
+    python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10 [--dispatch-steps 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -33,6 +37,8 @@ from bench_rollout import copy_bandwidth  # noqa: E402  (this folder is on sys.p
 
 from feynrl_jax.checkpoints import smollm2_checkpoint_dir  # noqa: E402
 from feynrl_jax.models import KVCache, ModelConfig, forward, init_params, logits, unstack_layers  # noqa: E402
+from feynrl_jax.rollout.decode import decode_dispatch  # noqa: E402
+from feynrl_jax.rollout.slots import DecodeState  # noqa: E402
 
 
 def main():
@@ -40,6 +46,9 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--cache-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--dispatch-steps", type=int, default=0, help="also time the engine's decode dispatch, this many steps each"
+    )
     args = parser.parse_args()
 
     config = ModelConfig.from_hf(smollm2_checkpoint_dir())
@@ -97,6 +106,45 @@ def main():
     (stacked, stacked_s), (per_layer, per_layer_s) = medians.items()
     min_ratio = min(times[per_layer]) / min(times[stacked])
     print(f"per-layer / stacked = {per_layer_s / stacked_s:.2f} (medians), {min_ratio:.2f} (minima)")
+    if args.dispatch_steps:
+        time_dispatches(config, layout_params, caches, batch, cache_len, args.dispatch_steps)
+
+
+def time_dispatches(config, layout_params, caches, batch, cache_len, steps, repeats=4):
+    """The engine's jitted decode dispatch (greedy sampling included) in both layouts, alternating."""
+    positions = np.linspace(0, cache_len - 1 - steps, batch).astype(np.int32)
+    dispatch = jax.jit(
+        functools.partial(decode_dispatch, config=config, steps=steps, greedy=True, top_k=0, use_top_p=False),
+        donate_argnums=1,
+    )
+    args = (jnp.zeros((0,), jnp.int32), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
+
+    def state(cache):  # fresh arrays for every state: a dispatch donates (deletes) the state it is given
+        return DecodeState(
+            cache=cache,
+            tokens=jnp.ones((batch,), jnp.int32),
+            positions=jnp.asarray(positions),
+            active=jnp.ones((batch,), bool),
+            generated=jnp.zeros((batch,), jnp.int32),
+            max_new=jnp.full((batch,), cache_len, jnp.int32),
+            keys=jnp.zeros((batch, 2), jnp.uint32),
+        )
+
+    states = {name: state(cache) for name, cache in caches.items()}
+    times = {name: [] for name in states}
+    for repeat in range(repeats + 1):  # the first round compiles
+        for name in states:
+            start = time.perf_counter()
+            states[name], tokens, *_ = dispatch(
+                layout_params[name], states[name]._replace(positions=jnp.asarray(positions)), *args
+            )
+            jax.block_until_ready((states[name], tokens))
+            if repeat:
+                times[name].append((time.perf_counter() - start) / steps)
+    for name, t in times.items():
+        print(f"engine decode dispatch ({steps} steps, greedy), {name}: {np.median(t) * 1e3:.1f} ms/step median")
+    (stacked, stacked_t), (per_layer, per_layer_t) = times.items()
+    print(f"dispatch per-layer / stacked = {np.median(per_layer_t) / np.median(stacked_t):.2f} (medians)")
 
 
 if __name__ == "__main__":
