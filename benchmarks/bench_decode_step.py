@@ -10,10 +10,11 @@ Two layer layouts run side by side, their steps alternating in one process: stac
 native engine's layout).
 
 `--dispatch-steps N` also times the engine's whole decode dispatch (N steps in one `lax.scan`, greedy sampling
-included) in both layouts.
+included) in both layouts, and in the per-layer one attending only to the power-of-two cache prefix that the
+rows reach (`--live-len`), as the engine does while its sequences are shorter than the cache.
 
 Run:
-    python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10 [--dispatch-steps 8]
+    python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10 [--dispatch-steps 8 --live-len 128]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from bench_rollout import copy_bandwidth  # noqa: E402  (this folder is on sys.p
 from feynrl_jax.checkpoints import smollm2_checkpoint_dir  # noqa: E402
 from feynrl_jax.models import KVCache, ModelConfig, forward, init_params, logits, unstack_layers  # noqa: E402
 from feynrl_jax.rollout.decode import decode_dispatch  # noqa: E402
+from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket  # noqa: E402
 from feynrl_jax.rollout.slots import DecodeState  # noqa: E402
 
 
@@ -49,6 +51,7 @@ def main():
     parser.add_argument(
         "--dispatch-steps", type=int, default=0, help="also time the engine's decode dispatch, this many steps each"
     )
+    parser.add_argument("--live-len", type=int, default=0, help="dispatch rows reach positions < this (0: S)")
     args = parser.parse_args()
 
     config = ModelConfig.from_hf(smollm2_checkpoint_dir())
@@ -107,14 +110,18 @@ def main():
     min_ratio = min(times[per_layer]) / min(times[stacked])
     print(f"per-layer / stacked = {per_layer_s / stacked_s:.2f} (medians), {min_ratio:.2f} (minima)")
     if args.dispatch_steps:
-        time_dispatches(config, layout_params, caches, batch, cache_len, args.dispatch_steps)
+        live_len = args.live_len or cache_len
+        time_dispatches(config, layout_params, caches, batch, cache_len, args.dispatch_steps, live_len)
 
 
-def time_dispatches(config, layout_params, caches, batch, cache_len, steps, repeats=4):
-    """The engine's jitted decode dispatch (greedy sampling included) in both layouts, alternating."""
-    positions = np.linspace(0, cache_len - 1 - steps, batch).astype(np.int32)
+def time_dispatches(config, layout_params, caches, batch, cache_len, steps, live_len, repeats=4):
+    """The engine's jitted decode dispatch (greedy sampling included), alternating between the stacked layout,
+    the per-layer one, and the per-layer one attending to the cache prefix the rows reach (as the engine does)."""
+    positions = np.linspace(0, live_len - steps, batch).astype(np.int32)
+    attend_len = pick_bucket(bucket_lengths(min(128, cache_len), cache_len), live_len)
     dispatch = jax.jit(
         functools.partial(decode_dispatch, config=config, steps=steps, greedy=True, top_k=0, use_top_p=False),
+        static_argnames="attend_len",
         donate_argnums=1,
     )
     args = (jnp.zeros((0,), jnp.int32), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
@@ -130,21 +137,31 @@ def time_dispatches(config, layout_params, caches, batch, cache_len, steps, repe
             keys=jnp.zeros((batch, 2), jnp.uint32),
         )
 
-    states = {name: state(cache) for name, cache in caches.items()}
-    times = {name: [] for name in states}
+    (stacked, stacked_cache), (per_layer, per_layer_cache) = caches.items()
+    runs = {  # name: (params, state, attend_len)
+        stacked: (layout_params[stacked], state(stacked_cache), None),
+        per_layer: (layout_params[per_layer], state(per_layer_cache), None),
+        f"{per_layer}, attend_len={attend_len}": (
+            layout_params[per_layer],
+            state(jax.tree.map(jnp.copy, per_layer_cache)),
+            attend_len,
+        ),
+    }
+    times = {name: [] for name in runs}
     for repeat in range(repeats + 1):  # the first round compiles
-        for name in states:
+        for name, (params, run_state, run_attend_len) in runs.items():
             start = time.perf_counter()
-            states[name], tokens, *_ = dispatch(
-                layout_params[name], states[name]._replace(positions=jnp.asarray(positions)), *args
+            run_state, tokens, *_ = dispatch(
+                params, run_state._replace(positions=jnp.asarray(positions)), *args, attend_len=run_attend_len
             )
-            jax.block_until_ready((states[name], tokens))
+            jax.block_until_ready((run_state, tokens))
+            runs[name] = (params, run_state, run_attend_len)
             if repeat:
                 times[name].append((time.perf_counter() - start) / steps)
-    for name, t in times.items():
-        print(f"engine decode dispatch ({steps} steps, greedy), {name}: {np.median(t) * 1e3:.1f} ms/step median")
-    (stacked, stacked_t), (per_layer, per_layer_t) = times.items()
-    print(f"dispatch per-layer / stacked = {np.median(per_layer_t) / np.median(stacked_t):.2f} (medians)")
+    print(f"engine decode dispatch: {steps} steps, greedy, rows at positions 0..{live_len - 1}")
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    for name, median in medians.items():
+        print(f"  {name}: {median * 1e3:.1f} ms/step median, / stacked = {median / medians[stacked]:.2f}")
 
 
 if __name__ == "__main__":

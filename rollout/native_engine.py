@@ -7,7 +7,8 @@ The design follows JetStream (Google's JAX inference engine) and the continuous 
     the decode step compiles once;
   - a prompt is prefilled once (padded to a power-of-two bucket) and its KV is inserted into as many slots as it
     has samples (`n`), when slots free up;
-  - one jitted dispatch advances every live slot `decode_steps_per_dispatch` tokens (`lax.scan`);
+  - one jitted dispatch advances every live slot `decode_steps_per_dispatch` tokens (`lax.scan`), attending
+    only to the power-of-two prefix of the cache that the live sequences reach;
   - between dispatches the host collects the new tokens, checks stop strings, and refills every finished slot
     with the next waiting sequence at once (continuous refill), instead of waiting for the whole batch.
 
@@ -99,6 +100,9 @@ class NativeEngine:
         self.continuous_refill = continuous_refill
         self.detokenize = detokenize
         self.buckets = bucket_lengths(min(min_prefill_bucket, _floor_pow2(cache_len)), cache_len)
+        # Decode attends to a power-of-two prefix of the cache that holds every live position (one compiled
+        # decode program per length; the smallest is 128 to keep their number down).
+        self.attend_buckets = bucket_lengths(min(_MIN_ATTEND_LEN, _floor_pow2(cache_len)), cache_len)
         self.param_shardings = param_shardings
         self.last_stats: dict[str, float] = {}
 
@@ -135,7 +139,9 @@ class NativeEngine:
             )
             return constrain(state), *outputs
 
-        self._decode = jax.jit(dispatch, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=1)
+        self._decode = jax.jit(
+            dispatch, static_argnames=("greedy", "top_k", "use_top_p", "attend_len"), donate_argnums=1
+        )
         self._unstack_layers = jax.jit(unstack_layers)
         self._state = self._init_state()
         self.load_params(params, policy_version)
@@ -222,7 +228,14 @@ class NativeEngine:
                         slot_row[slot] = row
                 if all(r is None for r in slot_row):
                     break
-                state, tokens, logprobs, emitted = self._decode(self._params, state, *decode_args, **decode_static)
+                # A slot at position p reaches p + steps - 1 in this dispatch; p = prompt length - 1 + emitted.
+                live = max(len(prompts[rows[row][0]]) + len(out_tokens[row]) for row in slot_row if row is not None)
+                attend_len = pick_bucket(
+                    self.attend_buckets, min(live - 1 + self.decode_steps_per_dispatch, self.cache_len)
+                )
+                state, tokens, logprobs, emitted = self._decode(
+                    self._params, state, *decode_args, **decode_static, attend_len=attend_len
+                )
                 tokens, logprobs, emitted, active = jax.device_get((tokens, logprobs, emitted, state.active))
                 stats["dispatches"] += 1
                 stats["slot_steps"] += self.num_slots * self.decode_steps_per_dispatch
@@ -335,6 +348,9 @@ class NativeEngine:
         if entry[1] == 0:
             del prefixes[prompt_index]  # every sample inserted: free the prefix KV
         return state
+
+
+_MIN_ATTEND_LEN = 128
 
 
 def _per_layer_sharding(cache_sharding: jax.sharding.Sharding) -> jax.sharding.NamedSharding:

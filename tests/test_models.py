@@ -338,6 +338,23 @@ def test_per_layer_params_match_stacked(extra):
     np.testing.assert_allclose(got_cache.stack().v, want_cache.v, atol=1e-5)
 
 
+def test_attend_len_reads_only_a_cache_prefix():
+    """A decode step attending to the first `attend_len` cache indices equals one attending to all of them
+    while every query sits below `attend_len` (to rounding: the masked tail adds exact zeros, but the sums
+    are grouped differently)."""
+    params = unstack_layers(_scaled_params(TINY))
+    step = jax.jit(
+        lambda p, x, pos, c, n: forward(p, x, pos, config=TINY, cache=c, attend_len=n), static_argnums=4
+    )
+    _, cache = step(params, _tokens(2, 6), _positions(2, 6), init_cache(TINY, 2, 16).unstack(), None)
+    decode = _tokens(2, 1, seed=5), jnp.asarray([[6], [3]], jnp.int32)
+    want_hidden, want_cache = step(params, *decode, cache, None)
+    got_hidden, got_cache = step(params, *decode, cache, 8)
+    np.testing.assert_allclose(got_hidden, want_hidden, atol=1e-6)
+    np.testing.assert_allclose(got_cache.stack().k, want_cache.stack().k, atol=1e-6)
+    np.testing.assert_allclose(got_cache.stack().v, want_cache.stack().v, atol=1e-6)
+
+
 def test_sliding_window_limits_attention():
     config = dataclasses.replace(TINY, architecture="mistral", sliding_window=2)
     params = _scaled_params(config)

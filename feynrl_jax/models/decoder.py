@@ -209,6 +209,7 @@ def forward(
     segment_ids: jax.Array | None = None,
     cache: KVCache | None = None,
     remat: str | None = None,
+    attend_len: int | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder up to and including the final norm.
 
@@ -232,6 +233,9 @@ def forward(
             params update a per-layer cache in place, without the copies of slicing a stacked one (decoding).
         remat: rematerialisation policy for the backward pass ("none", "full", "dots"); None uses
             `config.remat`.
+        attend_len: with `cache`, attend to its first `attend_len` indices only (static; the queries whose output
+            matters must sit below it). Decoding reads less of the cache while the live sequences are short.
+            None: the whole cache.
 
     Returns:
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
@@ -281,8 +285,11 @@ def forward(
         # indexed block of either cache is [B, T, K, Dh], the layout of k and v.
         ck = ck.at[(*at, batch_idx, slice(None), slice(None), write_idx)].set(k.astype(ck.dtype), mode="drop")
         cv = cv.at[(*at, batch_idx, slice(None), write_idx)].set(v.astype(cv.dtype), mode="drop")
-        mask = cache_mask(positions, cache_len, window)
-        return attend(q, ck[at].astype(dtype), cv[at].astype(dtype), mask), (ck, cv)
+        keys, values = ck[at], cv[at]
+        if attend_len is not None and attend_len < cache_len:
+            keys, values = keys[..., :attend_len], values[..., :attend_len, :]
+        mask = cache_mask(positions, keys.shape[-1], window)
+        return attend(q, keys.astype(dtype), values.astype(dtype), mask), (ck, cv)
 
     policy = config.remat if remat is None else remat
     if policy != "none":
