@@ -343,9 +343,7 @@ def test_attend_len_reads_only_a_cache_prefix():
     while every query sits below `attend_len` (to rounding: the masked tail adds exact zeros, but the sums
     are grouped differently)."""
     params = unstack_layers(_scaled_params(TINY))
-    step = jax.jit(
-        lambda p, x, pos, c, n: forward(p, x, pos, config=TINY, cache=c, attend_len=n), static_argnums=4
-    )
+    step = jax.jit(lambda p, x, pos, c, n: forward(p, x, pos, config=TINY, cache=c, attend_len=n), static_argnums=4)
     _, cache = step(params, _tokens(2, 6), _positions(2, 6), init_cache(TINY, 2, 16).unstack(), None)
     decode = _tokens(2, 1, seed=5), jnp.asarray([[6], [3]], jnp.int32)
     want_hidden, want_cache = step(params, *decode, cache, None)

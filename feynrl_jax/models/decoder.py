@@ -1,4 +1,4 @@
-"""The decoder: pure functions over a params dict, layers stacked on axis 0 and run with `lax.scan`.
+"""The decoder: pure functions over a params dict, layers stacked on axis 0 and run with `lax.scan` (or per layer).
 
 One pre-norm block per layer (Llama, Qwen2, Qwen3, Mistral, SmolLM2 all share it):
 
@@ -14,8 +14,9 @@ Params pytree (the table in docs/CONTRACTS.md; `L` layers stacked on axis 0):
     layers/gate_proj/kernel, up_proj/kernel [L, D, F]        layers/down_proj/kernel [L, F, D]
     final_norm/scale [D]               lm_head/kernel [D, V] (untied only)
 
-Scanning the layers keeps compile time flat in depth. Parameters are cast to `compute_dtype` where used;
-RMSNorm statistics, the attention softmax and the logits are float32.
+Scanning the layers keeps compile time flat in depth; decoding instead runs per-layer params (`unstack_layers`)
+in a Python loop, which spares every layer the copy of its slice of the stacked weights and cache. Parameters
+are cast to `compute_dtype` where used; RMSNorm statistics, the attention softmax and the logits are float32.
 
 References:
     Touvron et al., "LLaMA", 2023 (arXiv:2302.13971); Zhang & Sennrich, "Root Mean Square Layer
