@@ -25,7 +25,7 @@ per layer); the compiled steps are then partitioned by XLA (GSPMD) over that mes
 
 Speed: the engine holds its params and cache split per layer (`unstack_layers`, `KVCache.unstack`) and
 `forward` runs the layers in a Python loop, so no step copies a layer's weights or cache out of a stacked
-array (about a fifth of a CPU decode step; `benchmarks/bench_decode_step.py`).
+array (a CPU decode step takes 0.75-0.9x as long; `benchmarks/bench_decode_step.py`).
 """
 
 from __future__ import annotations
