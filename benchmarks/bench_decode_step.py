@@ -5,13 +5,22 @@ position into a cache of S positions; the step is jitted with the cache donated,
 runs it. A decode step reads every weight once, so it takes at least weight bytes / copy bandwidth (a large numpy
 copy, read + write counted as STREAM's Copy); the ratio says how far the step is from that bound.
 
+Two layer layouts run side by side, their steps alternating in one process: stacked layers under `lax.scan`
+(the trainer's params) and per-layer params with a per-layer cache (`unstack_layers`, `KVCache.unstack`: the
+native engine's layout).
+
+`--dispatch-steps N` also times the engine's whole decode dispatch (N steps in one `lax.scan`, greedy sampling
+included) in both layouts, and in the per-layer one attending only to the power-of-two cache prefix that the
+rows reach (`--live-len`), as the engine does while its sequences are shorter than the cache.
+
 Run:
-    python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10
+    python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10 [--dispatch-steps 8 --live-len 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -28,7 +37,10 @@ import numpy as np  # noqa: E402
 from bench_rollout import copy_bandwidth  # noqa: E402  (this folder is on sys.path when run as a script)
 
 from feynrl_jax.checkpoints import smollm2_checkpoint_dir  # noqa: E402
-from feynrl_jax.models import KVCache, ModelConfig, forward, init_params, logits  # noqa: E402
+from feynrl_jax.models import KVCache, ModelConfig, forward, init_params, logits, unstack_layers  # noqa: E402
+from feynrl_jax.rollout.decode import decode_dispatch  # noqa: E402
+from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket  # noqa: E402
+from feynrl_jax.rollout.slots import DecodeState  # noqa: E402
 
 
 def main():
@@ -36,6 +48,10 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--cache-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--dispatch-steps", type=int, default=0, help="also time the engine's decode dispatch, this many steps each"
+    )
+    parser.add_argument("--live-len", type=int, default=0, help="dispatch rows reach positions < this (0: S)")
     args = parser.parse_args()
 
     config = ModelConfig.from_hf(smollm2_checkpoint_dir())
@@ -56,29 +72,96 @@ def main():
         return logits(params, hidden, config=config), cache
 
     step = jax.jit(step, donate_argnums=3)
-    start = time.perf_counter()
-    out, cache = step(params, tokens, positions, cache)
-    jax.block_until_ready(out)
-    compile_s = time.perf_counter() - start
-    times = []
-    for _ in range(args.steps):
+    # The two layer layouts, timed alternately in one process: stacked layers run by lax.scan (the trainer's
+    # layout) and per-layer params with a per-layer cache (the native engine's decode layout).
+    layout_params = {"stacked (lax.scan)": params, "per-layer (unrolled)": unstack_layers(params)}
+    caches = {"stacked (lax.scan)": cache, "per-layer (unrolled)": cache.unstack()}  # the unstacked one copies
+    times = {}
+    for name in layout_params:
         start = time.perf_counter()
-        out, cache = step(params, tokens, positions, cache)
-        jax.block_until_ready((out, cache))
-        times.append(time.perf_counter() - start)
-    step_s = float(np.median(times))
+        out, caches[name] = step(layout_params[name], tokens, positions, caches[name])
+        jax.block_until_ready(out)
+        print(f"{name}: compile + first step {time.perf_counter() - start:.1f} s")
+        times[name] = []
+    for _ in range(args.steps):
+        for name in times:
+            start = time.perf_counter()
+            out, caches[name] = step(layout_params[name], tokens, positions, caches[name])
+            jax.block_until_ready((out, caches[name]))
+            times[name].append(time.perf_counter() - start)
 
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     bandwidth = copy_bandwidth(1 << 28)
     bound_s = weight_bytes / bandwidth
     print(f"SmolLM2-135M shapes ({config.num_params / 1e6:.1f}M params, random init), float32, B={batch}, T=1")
     print(f"cache length S={cache_len}, rows at positions 0..S-1")
-    print(f"devices: {jax.devices()}, cpu cores: {os.cpu_count()}; compile + first step {compile_s:.1f} s")
-    print(f"decode step: median {step_s * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms over {args.steps} steps")
+    print(f"devices: {jax.devices()}, cpu cores: {os.cpu_count()}")
     print(
         f"bandwidth bound: weights {weight_bytes / 2**20:.0f} MiB / copy bandwidth {bandwidth / 1e9:.1f} GB/s "
-        f"= {bound_s * 1e3:.1f} ms/step; measured / bound = {step_s / bound_s:.1f}x"
+        f"= {bound_s * 1e3:.1f} ms/step"
     )
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    for name, t in times.items():
+        print(
+            f"decode step, {name}: median {medians[name] * 1e3:.1f} ms, min {min(t) * 1e3:.1f} ms over "
+            f"{args.steps} steps; measured / bound = {medians[name] / bound_s:.1f}x"
+        )
+    (stacked, stacked_s), (per_layer, per_layer_s) = medians.items()
+    min_ratio = min(times[per_layer]) / min(times[stacked])
+    print(f"per-layer / stacked = {per_layer_s / stacked_s:.2f} (medians), {min_ratio:.2f} (minima)")
+    if args.dispatch_steps:
+        live_len = args.live_len or cache_len
+        time_dispatches(config, layout_params, caches, batch, cache_len, args.dispatch_steps, live_len)
+
+
+def time_dispatches(config, layout_params, caches, batch, cache_len, steps, live_len, repeats=4):
+    """The engine's jitted decode dispatch (greedy sampling included), alternating between the stacked layout,
+    the per-layer one, and the per-layer one attending to the cache prefix the rows reach (as the engine does)."""
+    positions = np.linspace(0, live_len - steps, batch).astype(np.int32)
+    attend_len = pick_bucket(bucket_lengths(min(128, cache_len), cache_len), live_len)
+    dispatch = jax.jit(
+        functools.partial(decode_dispatch, config=config, steps=steps, greedy=True, top_k=0, use_top_p=False),
+        static_argnames="attend_len",
+        donate_argnums=1,
+    )
+    args = (jnp.zeros((0,), jnp.int32), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
+
+    def state(cache):  # fresh arrays for every state: a dispatch donates (deletes) the state it is given
+        return DecodeState(
+            cache=cache,
+            tokens=jnp.ones((batch,), jnp.int32),
+            positions=jnp.asarray(positions),
+            active=jnp.ones((batch,), bool),
+            generated=jnp.zeros((batch,), jnp.int32),
+            max_new=jnp.full((batch,), cache_len, jnp.int32),
+            keys=jnp.zeros((batch, 2), jnp.uint32),
+        )
+
+    (stacked, stacked_cache), (per_layer, per_layer_cache) = caches.items()
+    runs = {  # name: (params, state, attend_len)
+        stacked: (layout_params[stacked], state(stacked_cache), None),
+        per_layer: (layout_params[per_layer], state(per_layer_cache), None),
+        f"{per_layer}, attend_len={attend_len}": (
+            layout_params[per_layer],
+            state(jax.tree.map(jnp.copy, per_layer_cache)),
+            attend_len,
+        ),
+    }
+    times = {name: [] for name in runs}
+    for repeat in range(repeats + 1):  # the first round compiles
+        for name, (params, run_state, run_attend_len) in runs.items():
+            start = time.perf_counter()
+            run_state, tokens, *_ = dispatch(
+                params, run_state._replace(positions=jnp.asarray(positions)), *args, attend_len=run_attend_len
+            )
+            jax.block_until_ready((run_state, tokens))
+            runs[name] = (params, run_state, run_attend_len)
+            if repeat:
+                times[name].append((time.perf_counter() - start) / steps)
+    print(f"engine decode dispatch: {steps} steps, greedy, rows at positions 0..{live_len - 1}")
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    for name, median in medians.items():
+        print(f"  {name}: {median * 1e3:.1f} ms/step median, / stacked = {median / medians[stacked]:.2f}")
 
 
 if __name__ == "__main__":

@@ -31,17 +31,21 @@ def decode_dispatch(
     greedy: bool,
     top_k: int,
     use_top_p: bool,
+    attend_len: int | None = None,
 ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
     """Runs `steps` decode steps for every slot (jit with keyword arguments static and the state donated).
 
     Args:
-      params: model params.
+      params: model params, layers stacked or per layer (`feynrl_jax.models.unstack_layers`; with the state's
+        per-layer cache, no step copies a layer's weights or cache).
       state: the decode state.
       stop_token_ids: `[S]` int32 (may be empty); sampling one finishes the sequence with reason "stop".
       temperature, top_p, min_new_tokens: scalars (traced: changing them does not recompile).
       config: model config.
       steps: decode steps per dispatch.
       greedy, top_k, use_top_p: sampling mode (see `sampling.sample`).
+      attend_len: attend to the first `attend_len` cache positions only; every active slot must stay below it
+        during the dispatch (position + steps <= attend_len). None: the whole cache.
 
     Returns:
       `(state, tokens [slots, steps] int32, logprobs [slots, steps] f32, emitted [slots, steps] bool)`:
@@ -56,6 +60,7 @@ def decode_dispatch(
             config=config,
             segment_ids=state.active.astype(jnp.int32)[:, None],
             cache=state.cache,
+            attend_len=attend_len,
         )
         next_logits = logits(params, hidden, config=config)[:, 0]
         next_logits = sampling.mask_tokens(next_logits, stop_token_ids, state.generated < min_new_tokens)

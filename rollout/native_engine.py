@@ -3,11 +3,12 @@
 The design follows JetStream (Google's JAX inference engine) and the continuous batching of Orca (Yu et al.,
 2022, "Orca: A Distributed Serving System for Transformer-Based Generative Models", OSDI):
 
-  - a fixed number of decode slots share one KV cache (`[L, slots, K, ., .]`); shapes never change, so the
-    decode step compiles once;
+  - a fixed number of decode slots share one KV cache (per layer, `[slots, K, ., .]`); shapes never change, so
+    the decode step compiles once;
   - a prompt is prefilled once (padded to a power-of-two bucket) and its KV is inserted into as many slots as it
     has samples (`n`), when slots free up;
-  - one jitted dispatch advances every live slot `decode_steps_per_dispatch` tokens (`lax.scan`);
+  - one jitted dispatch advances every live slot `decode_steps_per_dispatch` tokens (`lax.scan`), attending
+    only to the power-of-two prefix of the cache that the live sequences reach;
   - between dispatches the host collects the new tokens, checks stop strings, and refills every finished slot
     with the next waiting sequence at once (continuous refill), instead of waiting for the whole batch.
 
@@ -17,9 +18,14 @@ off. With top-k or top-p on they differ by design: the engine reports the exact 
 distribution it sampled from (see `sampling.py`).
 
 Sharding: pass `param_shardings` (a pytree of `jax.sharding.Sharding` matching the params, e.g. from the
-logical-axis rules of `feynrl_jax.sharding`) and `cache_sharding` (a `NamedSharding` for the cache:
-`[L, slots, K, Dh, S]` keys, `[L, slots, K, S, Dh]` values; typically `P(None, None, "tensor", None, None)` for
-tensor parallelism over KV heads); the compiled steps are then partitioned by XLA (GSPMD) over that mesh.
+logical-axis rules of `feynrl_jax.sharding`) and `cache_sharding` (a `NamedSharding` for the cache as if it were
+stacked: `[L, slots, K, Dh, S]` keys, `[L, slots, K, S, Dh]` values; typically `P(None, None, "tensor", None,
+None)` for tensor parallelism over KV heads; the layer axis must not be sharded, since the engine keeps one array
+per layer); the compiled steps are then partitioned by XLA (GSPMD) over that mesh.
+
+Speed: the engine holds its params and cache split per layer (`unstack_layers`, `KVCache.unstack`) and
+`forward` runs the layers in a Python loop, so no step copies a layer's weights or cache out of a stacked
+array (a CPU decode step takes 0.75-0.9x as long; `benchmarks/bench_decode_step.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from feynrl_jax.models import KVCache, ModelConfig
+from feynrl_jax.models import KVCache, ModelConfig, unstack_layers
 from feynrl_jax.rollout import sampling as sampling_lib
 from feynrl_jax.rollout.decode import decode_dispatch
 from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket, prefill
@@ -57,7 +63,8 @@ class NativeEngine:
         batching", kept for benchmarks).
       detokenize: token ids -> text; needed for `SamplingParams.stop_strings`.
       param_shardings: optional pytree of shardings matching `params`.
-      cache_sharding: optional sharding of the KV cache (k `[L, slots, K, Dh, S]`, v `[L, slots, K, S, Dh]`).
+      cache_sharding: optional sharding of the KV cache as if stacked (k `[L, slots, K, Dh, S]`, v `[L, slots, K,
+        S, Dh]`), the layer axis unsharded; each layer's array gets it without the layer axis.
       policy_version: version of `params`.
 
     Attributes:
@@ -93,14 +100,19 @@ class NativeEngine:
         self.continuous_refill = continuous_refill
         self.detokenize = detokenize
         self.buckets = bucket_lengths(min(min_prefill_bucket, _floor_pow2(cache_len)), cache_len)
+        # Decode attends to a power-of-two prefix of the cache that holds every live position (one compiled
+        # decode program per length; the smallest is 128 to keep their number down).
+        self.attend_buckets = bucket_lengths(min(_MIN_ATTEND_LEN, _floor_pow2(cache_len)), cache_len)
         self.param_shardings = param_shardings
         self.last_stats: dict[str, float] = {}
 
         state_shardings = None
         if cache_sharding is not None:
             replicated = jax.sharding.NamedSharding(cache_sharding.mesh, jax.sharding.PartitionSpec())
+            layer_sharding = _per_layer_sharding(cache_sharding)
+            layers = (layer_sharding,) * config.num_layers
             state_shardings = DecodeState(
-                cache=KVCache(k=cache_sharding, v=cache_sharding),
+                cache=KVCache(k=layers, v=layers),
                 tokens=replicated,
                 positions=replicated,
                 active=replicated,
@@ -127,15 +139,22 @@ class NativeEngine:
             )
             return constrain(state), *outputs
 
-        self._decode = jax.jit(dispatch, static_argnames=("greedy", "top_k", "use_top_p"), donate_argnums=1)
+        self._decode = jax.jit(
+            dispatch, static_argnames=("greedy", "top_k", "use_top_p", "attend_len"), donate_argnums=1
+        )
+        self._unstack_layers = jax.jit(unstack_layers)
         self._state = self._init_state()
         self.load_params(params, policy_version)
 
     def load_params(self, params: Any, version: int) -> None:
-        """Replaces the params used by later `generate` calls; their rollouts carry `policy_version=version`."""
+        """Replaces the params used by later `generate` calls; their rollouts carry `policy_version=version`.
+
+        The engine keeps the layers split into per-layer arrays (`unstack_layers`, one copy made here), which
+        prefill and decode read without the per-layer slice copies of a scan over stacked layers.
+        """
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
-        self._params = params
+        self._params = self._unstack_layers(params)
         self.policy_version = int(version)
 
     def generate(
@@ -209,7 +228,14 @@ class NativeEngine:
                         slot_row[slot] = row
                 if all(r is None for r in slot_row):
                     break
-                state, tokens, logprobs, emitted = self._decode(self._params, state, *decode_args, **decode_static)
+                # A slot at position p reaches p + steps - 1 in this dispatch; p = prompt length - 1 + emitted.
+                live = max(len(prompts[rows[row][0]]) + len(out_tokens[row]) for row in slot_row if row is not None)
+                attend_len = pick_bucket(
+                    self.attend_buckets, min(live - 1 + self.decode_steps_per_dispatch, self.cache_len)
+                )
+                state, tokens, logprobs, emitted = self._decode(
+                    self._params, state, *decode_args, **decode_static, attend_len=attend_len
+                )
                 tokens, logprobs, emitted, active = jax.device_get((tokens, logprobs, emitted, state.active))
                 stats["dispatches"] += 1
                 stats["slot_steps"] += self.num_slots * self.decode_steps_per_dispatch
@@ -322,6 +348,17 @@ class NativeEngine:
         if entry[1] == 0:
             del prefixes[prompt_index]  # every sample inserted: free the prefix KV
         return state
+
+
+_MIN_ATTEND_LEN = 128
+
+
+def _per_layer_sharding(cache_sharding: jax.sharding.Sharding) -> jax.sharding.NamedSharding:
+    """The sharding of one layer's cache (`[slots, K, ., .]`) from that of the stacked `[L, slots, K, ., .]`."""
+    spec = tuple(cache_sharding.spec) + (None,) * (5 - len(cache_sharding.spec))
+    if spec[0] is not None:
+        raise ValueError(f"NativeEngine: cache_sharding must not shard the layer axis, got {cache_sharding.spec}")
+    return jax.sharding.NamedSharding(cache_sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
 
 
 def _floor_pow2(x: int) -> int:

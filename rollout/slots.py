@@ -22,7 +22,9 @@ class DecodeState(NamedTuple):
     """Everything the decode step carries, for `num_slots` slots (a pytree).
 
     Attributes:
-      cache: `KVCache`, k `[L, slots, K, Dh, S]` and v `[L, slots, K, S, Dh]`.
+      cache: `KVCache` per layer (`KVCache.unstack`): k a tuple of `L` arrays `[slots, K, Dh, S]`, v of `L`
+        arrays `[slots, K, S, Dh]`. Separate arrays let every decode step update and read a layer's cache in
+        place; slicing a stacked cache copies the slice.
       tokens: `[slots]` int32, the next input token of each slot (the last sampled one).
       positions: `[slots]` int32, the position of `tokens`.
       active: `[slots]` bool, the slot holds an unfinished sequence.
@@ -44,7 +46,7 @@ def init_state(config: ModelConfig, num_slots: int, cache_len: int) -> DecodeSta
     """An empty state: every slot inactive, the cache zeroed."""
     zeros = jnp.zeros((num_slots,), jnp.int32)
     return DecodeState(
-        cache=init_cache(config, num_slots, cache_len),
+        cache=init_cache(config, num_slots, cache_len).unstack(),
         tokens=zeros,
         positions=zeros,
         active=jnp.zeros((num_slots,), bool),
@@ -80,11 +82,15 @@ def insert(
     """
     cache = state.cache
     if prefix is not None:
-        start = (0, slot, 0, 0, 0)
-        cache = KVCache(
-            k=jax.lax.dynamic_update_slice(cache.k, prefix.k.astype(cache.k.dtype), start),
-            v=jax.lax.dynamic_update_slice(cache.v, prefix.v.astype(cache.v.dtype), start),
-        )
+        start = (slot, 0, 0, 0)
+
+        def put(layers, prefix_layers):
+            return tuple(
+                jax.lax.dynamic_update_slice(layer, new.astype(layer.dtype), start)
+                for layer, new in zip(layers, prefix_layers, strict=True)
+            )
+
+        cache = KVCache(k=put(cache.k, prefix.k), v=put(cache.v, prefix.v))
     return DecodeState(
         cache=cache,
         tokens=state.tokens.at[slot].set(last_token),

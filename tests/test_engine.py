@@ -201,9 +201,10 @@ def test_tensor_parallel_engine_matches_single_device(engine, params):
         param_shardings=shardings,
         cache_sharding=cache_sharding,
     )
-    assert sharded._state.cache.k.sharding.is_equivalent_to(cache_sharding, 5)
-    q_kernel = sharded._params["layers"]["q_proj"]["kernel"]
-    assert q_kernel.addressable_shards[0].data.shape[2] == CONFIG.num_heads // 2
+    layer_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor", None, None))
+    assert all(k.sharding.is_equivalent_to(layer_sharding, 4) for k in sharded._state.cache.k)  # one per layer
+    q_kernel = sharded._params["layers"][0]["q_proj"]["kernel"]  # [D, H, Dh]: the engine splits the layers
+    assert q_kernel.addressable_shards[0].data.shape[1] == CONFIG.num_heads // 2
     sampling_params = SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=4)
     got = sharded.generate(PROMPTS, sampling_params)
     want = engine.generate(PROMPTS, sampling_params)

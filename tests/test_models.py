@@ -20,6 +20,7 @@ from feynrl_jax.models import (
     logits,
     param_shapes,
     sequence_logprobs,
+    unstack_layers,
 )
 
 TINY = ModelConfig(
@@ -303,6 +304,53 @@ def test_continuous_batching_rows_at_their_own_positions():
     out = np.asarray(_logits(params, hidden, config=TINY))
     np.testing.assert_allclose(out[0, 0], full[0][-1], atol=1e-5)
     np.testing.assert_allclose(out[1, 0], full[1][-1], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"architecture": "mistral", "sliding_window": 3}, {"architecture": "qwen3", "qk_norm": True}],
+)
+def test_per_layer_params_match_stacked(extra):
+    """`unstack_layers` params (the unrolled layer loop) compute what the scan computes: no cache, a stacked
+    cache (prefill), and a per-layer cache (`KVCache.unstack`, the engine's decode steps)."""
+    config = dataclasses.replace(TINY, **extra)
+    params = _scaled_params(config)
+    split = unstack_layers(params)
+    assert len(split["layers"]) == config.num_layers
+    tokens, segments = _tokens(2, 6), jnp.asarray([[1] * 6, [1] * 4 + [0] * 2], jnp.int32)
+    want, _ = _forward(params, tokens, _positions(2, 6), config=config, segment_ids=segments)
+    got, _ = _forward(split, tokens, _positions(2, 6), config=config, segment_ids=segments)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+    step = jax.jit(lambda p, x, pos, c: forward(p, x, pos, config=config, cache=c))
+    want_hidden, want_cache = step(params, tokens, _positions(2, 6), init_cache(config, 2, 8))
+    got_hidden, got_cache = step(split, tokens, _positions(2, 6), init_cache(config, 2, 8))
+    np.testing.assert_allclose(got_hidden, want_hidden, atol=1e-5)
+    np.testing.assert_allclose(got_cache.k, want_cache.k, atol=1e-5)
+    np.testing.assert_allclose(got_cache.v, want_cache.v, atol=1e-5)
+
+    decode = tokens[:, :1], jnp.asarray([[6], [4]], jnp.int32)
+    want_hidden, want_cache = step(params, *decode, want_cache)
+    got_hidden, got_cache = step(split, *decode, got_cache.unstack())
+    assert isinstance(got_cache.k, tuple) and len(got_cache.k) == config.num_layers
+    np.testing.assert_allclose(got_hidden, want_hidden, atol=1e-5)
+    np.testing.assert_allclose(got_cache.stack().k, want_cache.k, atol=1e-5)
+    np.testing.assert_allclose(got_cache.stack().v, want_cache.v, atol=1e-5)
+
+
+def test_attend_len_reads_only_a_cache_prefix():
+    """A decode step attending to the first `attend_len` cache indices equals one attending to all of them
+    while every query sits below `attend_len` (to rounding: the masked tail adds exact zeros, but the sums
+    are grouped differently)."""
+    params = unstack_layers(_scaled_params(TINY))
+    step = jax.jit(lambda p, x, pos, c, n: forward(p, x, pos, config=TINY, cache=c, attend_len=n), static_argnums=4)
+    _, cache = step(params, _tokens(2, 6), _positions(2, 6), init_cache(TINY, 2, 16).unstack(), None)
+    decode = _tokens(2, 1, seed=5), jnp.asarray([[6], [3]], jnp.int32)
+    want_hidden, want_cache = step(params, *decode, cache, None)
+    got_hidden, got_cache = step(params, *decode, cache, 8)
+    np.testing.assert_allclose(got_hidden, want_hidden, atol=1e-6)
+    np.testing.assert_allclose(got_cache.stack().k, want_cache.stack().k, atol=1e-6)
+    np.testing.assert_allclose(got_cache.stack().v, want_cache.stack().v, atol=1e-6)
 
 
 def test_sliding_window_limits_attention():

@@ -1,11 +1,20 @@
 """Decoder-only transformers (Llama, Qwen2, Qwen3, Mistral, SmolLM2) as pure JAX functions over a params dict.
 
 The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `forward`, `KVCache`, `init_cache`, `logits`,
-`sequence_logprobs`, `logical_axes`.
+`sequence_logprobs`, `logical_axes`, `unstack_layers`.
 """
 
 from feynrl_jax.models.config import ModelConfig
-from feynrl_jax.models.decoder import KVCache, Params, forward, init_cache, init_params, logits, param_shapes
+from feynrl_jax.models.decoder import (
+    KVCache,
+    Params,
+    forward,
+    init_cache,
+    init_params,
+    logits,
+    param_shapes,
+    unstack_layers,
+)
 from feynrl_jax.models.logprobs import predecessor_hidden, sequence_logprobs, token_logprobs_from_hidden
 from feynrl_jax.models.partitioning import logical_axes
 
@@ -22,4 +31,5 @@ __all__ = [
     "predecessor_hidden",
     "sequence_logprobs",
     "token_logprobs_from_hidden",
+    "unstack_layers",
 ]

@@ -1,4 +1,4 @@
-"""The decoder: pure functions over a params dict, layers stacked on axis 0 and run with `lax.scan`.
+"""The decoder: pure functions over a params dict, layers stacked on axis 0 and run with `lax.scan` (or per layer).
 
 One pre-norm block per layer (Llama, Qwen2, Qwen3, Mistral, SmolLM2 all share it):
 
@@ -14,8 +14,9 @@ Params pytree (the table in docs/CONTRACTS.md; `L` layers stacked on axis 0):
     layers/gate_proj/kernel, up_proj/kernel [L, D, F]        layers/down_proj/kernel [L, F, D]
     final_norm/scale [D]               lm_head/kernel [D, V] (untied only)
 
-Scanning the layers keeps compile time flat in depth. Parameters are cast to `compute_dtype` where used;
-RMSNorm statistics, the attention softmax and the logits are float32.
+Scanning the layers keeps compile time flat in depth; decoding instead runs per-layer params (`unstack_layers`)
+in a Python loop, which spares every layer the copy of its slice of the stacked weights and cache. Parameters
+are cast to `compute_dtype` where used; RMSNorm statistics, the attention softmax and the logits are float32.
 
 References:
     Touvron et al., "LLaMA", 2023 (arXiv:2302.13971); Zhang & Sennrich, "Root Mean Square Layer
@@ -44,6 +45,9 @@ _NO_WINDOW = 2**30
 class KVCache:
     """Keys and values of every layer, indexed by position.
 
+    Stacked (the arrays below) or per layer (`unstack`: `k` and `v` tuples of `L` arrays without the layer axis,
+    the native engine's decode layout); `forward` takes and returns either.
+
     Attributes:
         k: `[L, B, K, Dh, S]` keys (RoPE applied) in compute dtype, stored transposed: entry `[l, b, :, :, p]`
             holds position `p` of row b. Decode attention then multiplies each head's query by a plain `[Dh, S]`
@@ -53,6 +57,15 @@ class KVCache:
 
     k: jax.Array
     v: jax.Array
+
+    def unstack(self) -> KVCache:
+        """The same cache with `k` and `v` as tuples of `L` per-layer arrays (`forward` with per-layer params
+        updates those in place, where slicing a stacked cache copies each layer's slice)."""
+        return KVCache(k=tuple(self.k), v=tuple(self.v))
+
+    def stack(self) -> KVCache:
+        """The inverse of `unstack`: `k` and `v` stacked on axis 0 again."""
+        return KVCache(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -169,6 +182,25 @@ def _remat_policy(name: str):
     raise ValueError(f"unknown remat policy {name!r}; expected 'none', 'full' or 'dots'")
 
 
+def unstack_layers(params: Params) -> Params:
+    """The params with `layers` split into a tuple of per-layer dicts, for `forward`'s unrolled layer loop.
+
+    Decoding (T = 1) is dominated by small matrix products, and inside `lax.scan` every layer's weights reach
+    them through a dynamic slice that XLA:CPU copies: about a sixth of a SmolLM2-135M decode step. Separate
+    per-layer arrays feed the products directly. Split once (when an engine loads params), not per step.
+
+    Args:
+        params: the params pytree, layers stacked on axis 0.
+
+    Returns:
+        The same pytree except `layers`: a tuple of `L` dicts with the same keys, each leaf without the layer
+        axis (`layers[l]["q_proj"]["kernel"]` is `[D, H, Dh]`).
+    """
+    num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], params["layers"]) for i in range(num_layers))
+    return {**params, "layers": layers}
+
+
 def forward(
     params: Params,
     tokens: jax.Array,
@@ -178,6 +210,7 @@ def forward(
     segment_ids: jax.Array | None = None,
     cache: KVCache | None = None,
     remat: str | None = None,
+    attend_len: int | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder up to and including the final norm.
 
@@ -186,39 +219,42 @@ def forward(
     segment id is 0 are not written) and each query attends to cache indices `<= its position`: one rule for
     prefill, slot insertion and batched decode with every row at its own position.
 
+    Stacked params (`layers` leaves `[L, ...]`) run the layers with `lax.scan`, so compile time stays flat in
+    depth (training). Per-layer params (`unstack_layers`) run them in a Python loop: no per-layer slice copies,
+    which makes decoding faster on CPU at the cost of a compile time that grows with depth. Both compute the
+    same function.
+
     Args:
-        params: the params pytree.
+        params: the params pytree, layers stacked or unstacked (`unstack_layers`).
         tokens: `[B, T]` int32 token ids.
         positions: `[B, T]` int32 positions (restart at 0 in every packed segment).
         config: the model config (static under jit).
         segment_ids: `[B, T]` int32, 0 marks padding; None means every token is real and one segment per row.
-        cache: a `KVCache` with S >= max position + 1, or None.
+        cache: a `KVCache` with S >= max position + 1, or None; stacked or per layer (`KVCache.unstack`). Per-layer
+            params update a per-layer cache in place, without the copies of slicing a stacked one (decoding).
         remat: rematerialisation policy for the backward pass ("none", "full", "dots"); None uses
             `config.remat`.
+        attend_len: with `cache`, attend to its first `attend_len` indices only (static; the queries whose output
+            matters must sit below it). Decoding reads less of the cache while the live sequences are short.
+            None: the whole cache.
 
     Returns:
-        `(hidden [B, T, D] in compute dtype, updated cache or None)`.
+        `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
     """
     dtype = jnp.dtype(config.compute_dtype)
     x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype)
     cos, sin = rope_cos_sin(positions, config)
-    windows = jnp.asarray([_NO_WINDOW if w is None else w for w in config.layer_windows()], jnp.int32)
-    any_window = any(w is not None for w in config.layer_windows())
     batch_idx = jnp.arange(tokens.shape[0])[:, None]
     if cache is None:
-        # The segment structure is the same in every layer: build it once, outside the layer scan.
+        # The segment structure is the same in every layer: build it once, outside the layers.
         row_mask = packed_mask(positions, segment_ids, None)
     else:
         # Padding tokens are "written" out of bounds and dropped.
-        write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache.v.shape[3])
+        cache_len = cache.v[0].shape[-2]
+        write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache_len)
 
-    # The cache rides in the scan carry and each layer writes its slice in place (XLA updates a loop-carried
-    # buffer without copying it, and the caller donates the cache); passing it through the scan as xs -> ys
-    # would re-stack the whole cache on every call.
-    def layer(carry, layer_in):
-        x, ck, cv = carry
-        p, window, index = layer_in
-        window = window if any_window else None
+    def block(x, p, window, attention):
+        """One layer; `attention(q, k, v, window) -> (attn, aux)` owns the cache. Returns `(x, aux)`."""
         h = rms_norm(x, p["attn_norm"]["scale"], config.rms_norm_eps)
         q = _project(h, p["q_proj"]["kernel"], dtype)
         k = _project(h, p["k_proj"]["kernel"], dtype)
@@ -231,16 +267,7 @@ def forward(
             q = rms_norm(q, p["q_norm"]["scale"], config.rms_norm_eps)
             k = rms_norm(k, p["k_norm"]["scale"], config.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if ck is None:
-            mask = row_mask if window is None else row_mask & within_window(positions, window)
-            attn = attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
-        else:
-            # Advanced indices split by slices: numpy puts the broadcast [B, T] index dimensions first, so the
-            # indexed block of either cache is [B, T, K, Dh], the layout of k and v.
-            ck = ck.at[index, batch_idx, :, :, write_idx].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[index, batch_idx, :, write_idx].set(v.astype(cv.dtype), mode="drop")
-            mask = cache_mask(positions, cv.shape[3], window)
-            attn = attend(q, ck[index].astype(dtype), cv[index].astype(dtype), mask)
+        attn, aux = attention(q, k, v, window)
         out = _matmul(attn.reshape(*attn.shape[:2], -1), p["o_proj"]["kernel"].reshape(-1, x.shape[-1]), dtype)
         if "bias" in p["o_proj"]:
             out = out + p["o_proj"]["bias"].astype(dtype)
@@ -249,16 +276,90 @@ def forward(
         gate = _matmul(h, p["gate_proj"]["kernel"], dtype)
         up = _matmul(h, p["up_proj"]["kernel"], dtype)
         x = x + _matmul(jax.nn.silu(gate) * up, p["down_proj"]["kernel"], dtype)
-        return (x, ck, cv), None
+        return x, aux
+
+    def packed_attention(q, k, v, window):
+        mask = row_mask if window is None else row_mask & within_window(positions, window)
+        return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask), None
+
+    def cached_attention(q, k, v, window, ck, cv, at):
+        """Writes k, v into the cache `ck [..., B, K, Dh, S]`, `cv [..., B, K, S, Dh]` at index `at` (a tuple
+        of leading indices: `(layer,)` for the stacked cache, `()` for one layer's), then attends to it."""
+        # Advanced indices split by slices: numpy puts the broadcast [B, T] index dimensions first, so the
+        # indexed block of either cache is [B, T, K, Dh], the layout of k and v.
+        ck = ck.at[(*at, batch_idx, slice(None), slice(None), write_idx)].set(k.astype(ck.dtype), mode="drop")
+        cv = cv.at[(*at, batch_idx, slice(None), write_idx)].set(v.astype(cv.dtype), mode="drop")
+        keys, values = ck[at], cv[at]
+        if attend_len is not None and attend_len < cache_len:
+            keys, values = keys[..., :attend_len], values[..., :attend_len, :]
+        mask = cache_mask(positions, keys.shape[-1], window)
+        return attend(q, keys.astype(dtype), values.astype(dtype), mask), (ck, cv)
 
     policy = config.remat if remat is None else remat
     if policy != "none":
-        layer = jax.checkpoint(layer, policy=_remat_policy(policy), prevent_cse=False)
+        block = jax.checkpoint(block, policy=_remat_policy(policy), prevent_cse=False, static_argnums=(3,))
+
+    if isinstance(params["layers"], tuple):
+        x, cache = _unrolled_layers(block, packed_attention, cached_attention, x, params["layers"], cache, config)
+    else:
+        x, cache = _scanned_layers(block, packed_attention, cached_attention, x, params["layers"], cache, config)
+    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+    return x, cache
+
+
+def _scanned_layers(block, packed_attention, cached_attention, x, layers, cache, config):
+    """`lax.scan` over stacked layers; a per-layer cache is stacked and split again."""
+    per_layer = cache is not None and isinstance(cache.k, tuple)
+    if per_layer:
+        cache = cache.stack()
+    windows = jnp.asarray([_NO_WINDOW if w is None else w for w in config.layer_windows()], jnp.int32)
+    any_window = any(w is not None for w in config.layer_windows())
+
+    # The cache rides in the scan carry and each layer writes its slice in place (XLA updates a loop-carried
+    # buffer without copying it, and the caller donates the cache); passing it through the scan as xs -> ys
+    # would re-stack the whole cache on every call.
+    def layer(carry, layer_in):
+        x, ck, cv = carry
+        p, window, index = layer_in
+        window = window if any_window else None
+        if ck is None:
+            x, _ = block(x, p, window, packed_attention)
+        else:
+
+            def attention(q, k, v, window):
+                return cached_attention(q, k, v, window, ck, cv, (index,))
+
+            x, (ck, cv) = block(x, p, window, attention)
+        return (x, ck, cv), None
+
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
     layer_index = jnp.arange(config.num_layers)
-    (x, ck, cv), _ = jax.lax.scan(layer, (x, ck, cv), (params["layers"], windows, layer_index))
-    x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
-    return x, (None if cache is None else KVCache(k=ck, v=cv))
+    (x, ck, cv), _ = jax.lax.scan(layer, (x, ck, cv), (layers, windows, layer_index))
+    if cache is None:
+        return x, None
+    cache = KVCache(k=ck, v=cv)
+    return x, (cache.unstack() if per_layer else cache)
+
+
+def _unrolled_layers(block, packed_attention, cached_attention, x, layers, cache, config):
+    """A Python loop over per-layer params; a stacked cache is split into per-layer arrays and re-stacked."""
+    stacked = cache is not None and not isinstance(cache.k, tuple)
+    if stacked:
+        cache = cache.unstack()
+    ks, vs = (None, None) if cache is None else (list(cache.k), list(cache.v))
+    for index, (p, window) in enumerate(zip(layers, config.layer_windows(), strict=True)):
+        if cache is None:
+            x, _ = block(x, p, window, packed_attention)
+        else:
+
+            def attention(q, k, v, window, index=index):
+                return cached_attention(q, k, v, window, ks[index], vs[index], ())
+
+            x, (ks[index], vs[index]) = block(x, p, window, attention)
+    if cache is None:
+        return x, None
+    cache = KVCache(k=tuple(ks), v=tuple(vs))
+    return x, (cache.stack() if stacked else cache)
 
 
 def logits(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
