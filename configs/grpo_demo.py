@@ -1,4 +1,4 @@
-"""GRPO on SmolLM2-135M-Instruct with reasoning-gym arithmetic: the main job (about 6.5 minutes on 2 CPU cores).
+"""GRPO on SmolLM2-135M-Instruct with reasoning-gym arithmetic: the main job (about 3.5 minutes on 2 CPU cores).
 
 Launch:
     feynrl-jax train --config=configs/grpo_demo.py
