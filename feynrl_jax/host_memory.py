@@ -46,7 +46,8 @@ def reexec_with_huge_pages() -> None:
     """Re-executes this Python process with huge pages on, once; returns at once where they are on or off.
 
     Call it first thing in an entry point, before any heavy import (the process image is replaced, so work done
-    before the call is done twice). `sys.argv` is passed through unchanged.
+    before the call is done twice). `sys.argv` is passed through unchanged. A process whose command line cannot
+    be replayed (`python -c`, or a `sys.argv[0]` that is not a file) goes on without huge pages.
     """
     extra = huge_pages_env()
     if not extra or os.environ.get("_FEYNRL_REEXECED") == "1":
@@ -60,6 +61,8 @@ def reexec_with_huge_pages() -> None:
     argv = [sys.executable]
     if spec is not None and spec.name and spec.name != "__main__":
         argv += ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
-    else:
+    elif sys.argv and os.path.isfile(sys.argv[0]):
         argv += sys.argv
+    else:
+        return
     os.execve(sys.executable, argv, env)

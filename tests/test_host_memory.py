@@ -58,3 +58,12 @@ def test_no_reexec_when_switched_off(tmp_path):
     env["FEYNRL_HUGE_PAGES"] = "0"
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == ["started", "tunables None argv []"]
+
+
+def test_no_reexec_when_the_command_line_cannot_be_replayed():
+    # `python -c` with an entry point's argv (as a test harness does): there is no file to run again, so the
+    # process goes on as it is instead of exec-ing a path that does not exist.
+    code = SCRIPT.replace("import os, sys", "import os, sys\nsys.argv = ['feynrl-jax', 'train']")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "_FEYNRL_REEXECED", "FEYNRL_HUGE_PAGES")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["started", "tunables None argv ['train']"]
