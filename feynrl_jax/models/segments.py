@@ -30,27 +30,30 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class SegmentLayout:
-    """Per-token structure of packed rows (all `[B, T]` int32).
+    """Per-token structure of packed rows (all `[B, T]`).
+
+    Built from cumulative maxima and comparisons only, never index gathers of `segment_ids`: with the batch
+    sharded over 8 CPU devices, such gathers inside the attention mask deadlocked XLA's collectives. Positions
+    must run on by one inside a segment.
 
     Attributes:
-        start_position: the position of the first token of the token's segment (0 for an ordinary segment).
-        root_index: the column where the token's root segment starts (the row's most recent segment starting at
-            position 0), or -1 when there is none before it.
-        root_segment: the segment id at `root_index` (0 when there is no root).
+        columns: int32, each token's column.
+        first: bool, the token starts a run of equal segment ids.
+        run_start: int32, the column where the token's run starts.
+        start_position: int32, the position of the first token of the token's segment (0 for an ordinary one).
+        root_index: int32, the column where the token's root segment starts (the row's most recent segment
+            starting at position 0), or -1 when there is none before it.
     """
 
+    columns: jax.Array
+    first: jax.Array
+    run_start: jax.Array
     start_position: jax.Array
     root_index: jax.Array
-    root_segment: jax.Array
-
-
-def _first_of_run(segment_ids: jax.Array) -> jax.Array:
-    """`[B, T]` bool: the token starts a run of equal segment ids."""
-    return jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
 
 def segment_layout(positions: jax.Array, segment_ids: jax.Array) -> SegmentLayout:
-    """Finds every token's segment start position and root segment.
+    """Finds every token's run, segment start position and root.
 
     Args:
         positions: `[B, T]` int32.
@@ -61,32 +64,25 @@ def segment_layout(positions: jax.Array, segment_ids: jax.Array) -> SegmentLayou
     """
     t = segment_ids.shape[1]
     columns = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
-    first = _first_of_run(segment_ids)
+    first = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
     run_start = jax.lax.cummax(jnp.where(first, columns, 0), axis=1)
-    start_position = jnp.take_along_axis(positions, run_start, axis=1)
+    start_position = positions - (columns - run_start)
     is_root = first & (segment_ids != 0) & (positions == 0)
     root_index = jax.lax.cummax(jnp.where(is_root, columns, -1), axis=1)
-    root_segment = jnp.where(root_index >= 0, jnp.take_along_axis(segment_ids, jnp.maximum(root_index, 0), axis=1), 0)
-    return SegmentLayout(start_position, root_index, root_segment)
+    return SegmentLayout(columns, first, run_start, start_position, root_index)
 
 
 def prefix_visible(positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """`[B, T, T]` bool: query `t` (axis 1) may see key `s` (axis 2) as part of its shared prefix.
 
     True where `t` is in a continuation segment starting at position `p`, and `s` is a token of `t`'s root
-    segment with position `< p`. The caller adds the ordinary rules (same segment, causal, window). Positions
-    must run on by one inside a segment. Built from cumulative maxima and comparisons only: with the batch
-    sharded over 8 CPU devices, index gathers of `segment_ids` here deadlocked XLA's collectives.
+    segment with position `< p`. The caller adds the ordinary rules (same segment, causal, window).
     """
-    t = segment_ids.shape[1]
-    columns = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
-    first = _first_of_run(segment_ids)
-    run_start = jax.lax.cummax(jnp.where(first, columns, 0), axis=1)
-    start_position = positions - (columns - run_start)
-    is_root = first & (segment_ids != 0) & (positions == 0)
-    root_index = jax.lax.cummax(jnp.where(is_root, columns, -1), axis=1)
-    in_root = run_start[:, None, :] == root_index[:, :, None]
-    before = positions[:, None, :] < start_position[:, :, None]
+    layout = segment_layout(positions, segment_ids)
+    in_root = layout.run_start[:, None, :] == layout.root_index[:, :, None]
+    before = positions[:, None, :] < layout.start_position[:, :, None]
     return in_root & before & (segment_ids[:, None, :] != 0)
 
 
@@ -95,20 +91,20 @@ def predecessor_index(positions: jax.Array, segment_ids: jax.Array) -> jax.Array
 
     Inside a segment that is the previous column. The first token of a continuation starting at position `p`
     is predicted by its root's token at position `p - 1`. The first token of an ordinary segment, padding and
-    a continuation whose root does not hold position `p - 1` get -1.
+    a continuation whose root does not hold position `p - 1` get -1. (Its gathers read only the inputs: the
+    sharded tests deadlocked when they read `SegmentLayout.run_start` instead.)
     """
     t = segment_ids.shape[1]
-    columns = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
-    first = _first_of_run(segment_ids)
     layout = segment_layout(positions, segment_ids)
-    inside = ~first & (segment_ids != 0)
+    inside = ~layout.first & (segment_ids != 0)
     candidate = layout.root_index + positions - 1
     safe = jnp.clip(candidate, 0, t - 1)
+    root_segment = jnp.take_along_axis(segment_ids, jnp.maximum(layout.root_index, 0), axis=1)
     holds = (
         (layout.root_index >= 0)
-        & (candidate < columns)
-        & (jnp.take_along_axis(segment_ids, safe, axis=1) == layout.root_segment)
+        & (candidate < layout.columns)
+        & (jnp.take_along_axis(segment_ids, safe, axis=1) == root_segment)
         & (jnp.take_along_axis(positions, safe, axis=1) == positions - 1)
     )
-    continues = first & (segment_ids != 0) & (positions > 0) & holds
-    return jnp.where(inside, columns - 1, jnp.where(continues, candidate, -1)).astype(jnp.int32)
+    continues = layout.first & (segment_ids != 0) & (positions > 0) & holds
+    return jnp.where(inside, layout.columns - 1, jnp.where(continues, candidate, -1)).astype(jnp.int32)

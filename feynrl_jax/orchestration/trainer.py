@@ -41,7 +41,7 @@ from ml_collections import ConfigDict
 
 from feynrl_jax.checkpoints.train_state import RunProgress, TrainCheckpointer
 from feynrl_jax.config.derived import algorithm_hyperparameters, batch_plan
-from feynrl_jax.losses import ALGORITHMS, TrainBatch
+from feynrl_jax.losses import ALGORITHMS, TrainBatch, compute_metrics
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.models import ModelConfig
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
@@ -53,7 +53,7 @@ from feynrl_jax.train.nonfinite import NonFiniteGuard
 from feynrl_jax.train.rl_batch import rollouts_to_batch, sequence_reward_at_last_token
 from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_prefix_rows
 from feynrl_jax.train.state import TrainState, create_train_state
-from feynrl_jax.train.step import make_train_step
+from feynrl_jax.train.step import logprob_diagnostic_metrics, make_train_step
 from feynrl_jax.train.supervised_loop import abstract_train_state
 
 log = logging.getLogger(__name__)
@@ -84,29 +84,6 @@ def uses_reference(config: ConfigDict) -> bool:
     kl_coef = float(loss_hyperparameters(config).get("kl_coef", 0.0) or 0.0)
     registered = ALGORITHMS[config.algo.name].needs_reference and config.algo.reference != "none"
     return kl_coef > 0.0 or registered
-
-
-def completion_logprob_mismatch(behavior: np.ndarray, trainer: np.ndarray, mask: np.ndarray) -> dict[str, float]:
-    """Trainer vs engine log-probabilities of the sampled tokens (all `[B, T]`, read where `mask` is 1).
-
-    Returns:
-        `rollout/logprob_mismatch_kl`: mean of `behavior - trainer` (k1 estimate of KL(behaviour || trainer),
-        the tokens being samples of the behaviour policy); `rollout/logprob_mismatch_k3`: mean of
-        `exp(t - b) - 1 - (t - b)` (non-negative); `rollout/logprob_mismatch_max_abs`: max `|behavior - trainer|`.
-    """
-    valid = mask > 0
-    if not valid.any():
-        return {
-            "rollout/logprob_mismatch_kl": 0.0,
-            "rollout/logprob_mismatch_k3": 0.0,
-            "rollout/logprob_mismatch_max_abs": 0.0,
-        }
-    diff = (behavior - trainer)[valid].astype(np.float64)
-    return {
-        "rollout/logprob_mismatch_kl": float(diff.mean()),
-        "rollout/logprob_mismatch_k3": float(np.mean(np.exp(-diff) - 1.0 + diff)),
-        "rollout/logprob_mismatch_max_abs": float(np.abs(diff).max()),
-    }
 
 
 _COUNTERS = ("/step", "_step", "nonfinite_streak", "nonfinite_total", "learning_rate")
@@ -201,9 +178,11 @@ class RLTrainer:
         self.separate_old_pass = self.recompute_old and config.train.ppo_epochs * config.train.mini_batches > 1
         self.prompt_width = config.data.max_prompt_len
         self.group_size = config.rollout.n_samples
+        self.completion_width = self.group_size * config.rollout.max_new_tokens  # a group's completions, at most
         self.shared_prefix = self._choose_shared_prefix(config)
         first_column = self.prompt_width if self.shared_prefix else 1
-        rows_per_sample = 1.0 / self.group_size if self.shared_prefix else 1.0
+        # Rows per forward pass: a micro-batch's samples, or its groups in the shared-prefix layout.
+        chunk_rows = self.plan.micro_batch_size // (self.group_size if self.shared_prefix else 1)
         self.optimizer, schedule = run_setup.build_optimizer(config.optim, self.total_updates)
         self.train_step = make_train_step(
             self.algorithm.make_loss(**loss_hyperparameters(config)),
@@ -223,7 +202,7 @@ class RLTrainer:
             self.model_config,
             self.mesh,
             self.rules,
-            chunk_rows=int(self.plan.micro_batch_size * rows_per_sample),
+            chunk_rows=chunk_rows,
             temperature=self.temperature,
             with_entropy=True,
             first_column=first_column,
@@ -283,7 +262,7 @@ class RLTrainer:
             group_size=n,
             seq_len=self.seq_len,
             prompt_width=self.prompt_width,
-            completion_width=n * config.rollout.max_new_tokens,
+            completion_width=self.completion_width,
         ):
             why = "one row per sample costs fewer FLOPs at these lengths"
         if why is None:
@@ -408,7 +387,7 @@ class RLTrainer:
             shared = shared_prefix_rows(
                 rollouts,
                 prompt_width=self.prompt_width,
-                completion_width=self.group_size * self.config.rollout.max_new_tokens,
+                completion_width=self.completion_width,
                 pad_id=self.pad_id,
             )
         # Forward passes run on the training layout; their per-token outputs come back to the row layout.
@@ -424,19 +403,18 @@ class RLTrainer:
             "rollout/old_logprobs_recomputed": float(self.recompute_old),
             "train/shared_prefix": float(shared is not None),
         }
-        lp = None
+        lp = entropy = None
         if self.separate_old_pass:
             lp, entropy = (to_rows(x) for x in self.logprobs(self.state.params, *placed))
-            metrics.update(completion_logprob_mismatch(batch.behavior_logprobs, lp, mask))
-            metrics["train/entropy"] = float((entropy * mask).sum() / max(mask.sum(), 1.0))
         # With one update, the train step replaces `old` by its own log-probabilities when recomputing.
         old = lp * mask if lp is not None else batch.behavior_logprobs
         ref = None
         if self.reference is not None:
             ref = to_rows(self.logprobs(self.reference, *placed)[0]) * mask
-            if lp is not None:
-                log_ratio = (ref - lp)[mask > 0].astype(np.float64)
-                metrics["train/kl_ref"] = float(np.mean(np.exp(log_ratio) - 1.0 - log_ratio)) if log_ratio.size else 0.0
+        if lp is not None:
+            # The same metrics the train step reports when its own pass gives pi_old.
+            diagnostics = logprob_diagnostic_metrics(lp, entropy, dataclasses.replace(batch, ref_logprobs=ref))
+            metrics.update(_host(compute_metrics(diagnostics)))
         values = returns = None
         if self.critic_step is not None:
             values = to_rows(self._values(self.critic_state.params, *placed)) * mask
