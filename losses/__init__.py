@@ -3,7 +3,7 @@
 Imports only jax, numpy, chex and the standard library. See losses/README.md for the table of algorithms.
 """
 
-from feynrl_jax.losses import advantages, aggregation, kl, off_policy, sequences
+from feynrl_jax.losses import advantages, aggregation, kl, off_policy, sequences, value
 from feynrl_jax.losses.aggregation import AGGREGATIONS, LossSum, aggregate
 from feynrl_jax.losses.batch import TrainBatch
 from feynrl_jax.losses.cispo import cispo_loss
@@ -16,6 +16,7 @@ from feynrl_jax.losses.p3o import p3o_loss
 from feynrl_jax.losses.ppo import ppo_loss
 from feynrl_jax.losses.registry import ALGORITHMS, Algorithm
 from feynrl_jax.losses.sft import sft_loss
+from feynrl_jax.losses.value import clipped_value_error
 
 __all__ = [
     "AGGREGATIONS",
@@ -29,6 +30,7 @@ __all__ = [
     "aggregate",
     "aggregation",
     "cispo_loss",
+    "clipped_value_error",
     "combine_metrics",
     "compute_metrics",
     "dpo_loss",
@@ -47,4 +49,5 @@ __all__ = [
     "psum_metrics",
     "sequences",
     "sft_loss",
+    "value",
 ]

@@ -9,7 +9,8 @@ With ``r_t = pi(x_t) / pi_old(x_t)`` (see :mod:`off_policy`) and advantages ``A_
   bad token cannot produce an unbounded update;
 * value: ``l^V_t = 0.5 max((V_t - R_t)^2, (V^old_t + clip(V_t - V^old_t, -value_clip, value_clip) - R_t)^2)``
   with ``V`` the current critic predictions (``values``), ``V^old`` = ``batch.values`` and ``R`` =
-  ``batch.returns`` (``value_clip=None``: plain squared error);
+  ``batch.returns`` (``value_clip=None``: plain squared error), from :func:`value.clipped_value_error`, the
+  function the separate critic's loss uses too;
 * entropy bonus: ``-entropy_coef * H_t`` with ``H_t`` the current policy's per-token entropy (``entropy``).
 
 ``l_t = l^pi_t + vf_coef l^V_t - entropy_coef H_t``, aggregated with ``loss_agg`` (default ``token_mean``).
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from feynrl_jax.losses import aggregation, off_policy
+from feynrl_jax.losses import aggregation, off_policy, value
 from feynrl_jax.losses import metrics as metrics_lib
 from feynrl_jax.losses.batch import TrainBatch, check_inputs, check_per_token
 
@@ -86,16 +87,11 @@ def ppo_loss(
     metrics["loss/clip_frac"] = off_policy.clip_fraction(ratio, 1.0 - clip_low, 1.0 + clip_high, advantages, mask)
 
     if vf_coef > 0:
-        values = check_per_token("ppo_loss", "values", values, logprobs.shape)
-        error = jnp.square(values - batch.returns)
-        if value_clip is not None:
-            clipped = batch.values + jnp.clip(values - batch.values, -value_clip, value_clip)
-            clipped_error = jnp.square(clipped - batch.returns)
-            metrics["loss/value_clip_frac"] = metrics_lib.mean_metric((clipped_error > error).astype(error.dtype), mask)
-            error = jnp.maximum(error, clipped_error)
-        value_loss = 0.5 * error
-        per_token = per_token + vf_coef * value_loss
-        metrics["loss/value"] = metrics_lib.mean_metric(value_loss, mask)
+        value_per_token, value_metrics = value.clipped_value_error(
+            values, batch, value_clip=value_clip, loss_name="ppo_loss"
+        )
+        per_token = per_token + vf_coef * value_per_token
+        metrics.update(value_metrics)
 
     if entropy_coef > 0:
         entropy = check_per_token("ppo_loss", "entropy", entropy, logprobs.shape)
