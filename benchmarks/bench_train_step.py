@@ -87,7 +87,7 @@ def bench_jax(config: ModelConfig, params: dict, tokens: np.ndarray, steps: int)
     batch = train_step.place_batch(sft_batch(tokens))
     start = time.perf_counter()
     state, metrics = train_step(state, batch)
-    first_loss = float(metrics["train/loss"])
+    first_loss = float(metrics["train/loss"].value)
     first = time.perf_counter() - start
     times = []
     for _ in range(steps):

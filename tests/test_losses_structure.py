@@ -103,6 +103,49 @@ def test_metrics_combine_exactly_and_read_zero_when_empty():
         Metric(jnp.array(0.0), jnp.array(0.0), "sum")
 
 
+def test_last_metrics_keep_the_later_value_and_do_not_cross_devices():
+    a, b = metrics_lib.last_metric(jnp.int32(3)), metrics_lib.last_metric(jnp.int32(4))
+    combined = combine_metrics({"train/step": a}, {"train/step": b})["train/step"]
+    assert int(combined.value) == 4 and combined.reduce == "last"
+    with pytest.raises(ValueError, match="across devices"):
+        metrics_lib.psum_metrics({"train/step": a}, "devices")
+
+
+def test_updates_combine_by_type_not_by_name():
+    """A step's updates: max of maxes, min of mins, the last counter and the plain mean of per-update values,
+    whatever the names say (a mean named `_max`, a max named `_mean`, a counter named like a loss)."""
+    mean = lambda v: metrics_lib.scalar_metric(jnp.float32(v), 1.0)  # noqa: E731 - an update's mean, weight 1
+    records = [
+        {
+            "loss/ratio_max": mean(v),
+            "loss/size_mean": Metric(jnp.float32(x), jnp.float32(n), "max"),
+            "loss/spread_min": Metric(jnp.float32(x - 10), jnp.float32(n), "min"),
+            "train/loss": metrics_lib.last_metric(jnp.float32(v)),
+            "train/step": metrics_lib.last_metric(jnp.int32(i + 1)),
+        }
+        for i, (v, x, n) in enumerate([(1.0, 7.0, 3), (5.0, -1.0, 2), (3.5, 100.0, 0)])
+    ]
+    got = metrics_lib.combine_updates(records)
+    assert got == {
+        "loss/ratio_max": float(np.mean([1.0, 5.0, 3.5])),
+        "loss/size_mean": 7.0,  # the third update has no valid entries: its 100 does not count
+        "loss/spread_min": -11.0,
+        "train/loss": 3.5,
+        "train/step": 3.0,
+    }
+    # One record reads as its values; empty extremes and empty means read 0.
+    assert metrics_lib.combine_updates(records[:1]) == {k: float(v) for k, v in compute_metrics(records[0]).items()}
+    empty = {
+        "a": metrics_lib.mean_metric(jnp.ones(2), jnp.zeros(2)),
+        "b": metrics_lib.max_metric(jnp.ones(2), jnp.zeros(2)),
+    }
+    assert metrics_lib.combine_updates([empty, empty]) == {"a": 0.0, "b": 0.0}
+    with pytest.raises(ValueError, match="different names"):
+        metrics_lib.combine_updates([records[0], {"train/step": records[0]["train/step"]}])
+    with pytest.raises(ValueError, match="'train/loss'"):
+        metrics_lib.combine_updates([records[0], {**records[1], "train/loss": mean(1.0)}])
+
+
 def test_metrics_are_pytrees_with_a_static_reduce():
     metric = metrics_lib.max_metric(jnp.array([1.0, 2.0]), jnp.ones(2))
     leaves, treedef = jax.tree_util.tree_flatten(metric)

@@ -50,7 +50,7 @@ def _worker(out_path: str) -> None:
         else:
             batch = train_step.place_batch(full)
         state, metrics = train_step(state, batch)
-        losses.append(float(metrics["train/loss"]))
+        losses.append(float(metrics["train/loss"].value))
     params = multihost_utils.process_allgather(state.params, tiled=True)
     if jax.process_index() == 0:
         flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}

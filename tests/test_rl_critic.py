@@ -84,5 +84,5 @@ def test_critic_step_fits_the_returns():
     losses = []
     for _ in range(30):
         state, metrics = step(state, step.place_batch(batch))
-        losses.append(float(metrics["train/loss"]))
+        losses.append(float(metrics["train/loss"].value))
     assert losses[-1] < 0.1 * losses[0]

@@ -1,5 +1,5 @@
 """The sharded train step on 8 fake CPU devices: parity with one device, exact accumulation, no retrace,
-sharded memory, non-finite skipping, and the no-gradient log-probabilities.
+sharded memory, non-finite skipping, typed metrics, its parts, and the no-gradient log-probabilities.
 
 One module-level cache runs each (algorithm, mesh, grad_accum) configuration once; the tests read from it, so
 the suite compiles each step program a single time.
@@ -15,13 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-from feynrl_jax.losses import ALGORITHMS, TrainBatch
+from feynrl_jax.losses import ALGORITHMS, TrainBatch, compute_metrics
+from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig, init_params, logical_axes, sequence_logprobs
 from feynrl_jax.sharding import RULES, make_mesh, param_shardings, place_tree, tree_bytes_per_device
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
+from feynrl_jax.train.loss_parts import old_logprobs_from_current, with_logprob_diagnostics
 from feynrl_jax.train.nonfinite import NonFiniteError, NonFiniteGuard
 from feynrl_jax.train.optimizer import make_optimizer
-from feynrl_jax.train.step import make_algorithm_train_step, make_train_step, model_logprob_fn
+from feynrl_jax.train.step import ParamsSpec, make_algorithm_train_step, make_train_step, model_logprob_fn
 
 CONFIG = ModelConfig(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
@@ -79,7 +81,8 @@ def build_step(algorithm: str, mesh_name: str, grad_accum: int = 1):
 class Run:
     step: object
     params: list  # host params after each step
-    metrics: list
+    metrics: list  # {name: float} of each step
+    typed: list  # {name: Metric} of each step, on the host
     state: object  # the final (device) state
 
 
@@ -87,12 +90,13 @@ class Run:
 def run(algorithm: str, mesh_name: str, grad_accum: int = 1) -> Run:
     train_step = build_step(algorithm, mesh_name, grad_accum)
     state = train_step.init_state(initial_params())
-    params, metrics = [], []
+    params, metrics, typed = [], [], []
     for i in range(STEPS):
         state, m = train_step(state, train_step.place_batch(make_batch(algorithm, seed=i)))
         params.append(jax.tree.map(np.asarray, state.params))
-        metrics.append({k: float(v) for k, v in m.items()})
-    return Run(train_step, params, metrics, state)
+        metrics.append({k: float(v) for k, v in compute_metrics(m).items()})
+        typed.append(jax.device_get(m))
+    return Run(train_step, params, metrics, typed, state)
 
 
 def max_relative_difference(a, b) -> float:
@@ -150,7 +154,7 @@ def test_nonfinite_gradient_skips_the_update_and_the_guard_stops_the_run():
     bad = make_batch("grpo", seed=0)
     bad = dataclasses.replace(bad, advantages=np.where(bad.loss_mask > 0, np.nan, 0.0).astype(np.float32))
     state, metrics = train_step(state, train_step.place_batch(bad))
-    assert float(metrics["train/update_skipped"]) == 1.0 and int(metrics["train/nonfinite_streak"]) == 1
+    assert float(metrics["train/update_skipped"].value) == 1.0 and int(metrics["train/nonfinite_streak"].value) == 1
     assert int(state.step) == 0
     assert max_relative_difference(jax.tree.map(np.asarray, state.params), initial_params()) == 0.0
     guard.check(metrics, step=1)  # one skip is tolerated
@@ -159,7 +163,7 @@ def test_nonfinite_gradient_skips_the_update_and_the_guard_stops_the_run():
         guard.check(metrics, step=2)
     # A finite batch applies the update and resets the streak, keeping the total.
     state, metrics = train_step(state, train_step.place_batch(make_batch("grpo", seed=0)))
-    assert int(metrics["train/nonfinite_streak"]) == 0 and int(metrics["train/nonfinite_total"]) == 2
+    assert int(metrics["train/nonfinite_streak"].value) == 0 and int(metrics["train/nonfinite_total"].value) == 2
     assert int(state.step) == 1
     guard.check(metrics)
     # ... and gives exactly the first update of the run that never saw the bad batches.
@@ -208,7 +212,7 @@ def test_remat_policy_reaches_the_model():
 
     def remat_policies(remat):
         fn = model_logprob_fn(CONFIG, chunk_size=8, remat=remat)
-        text = str(jax.make_jaxpr(jax.grad(lambda p: fn(p, batch, False)[0].sum()))(params))
+        text = str(jax.make_jaxpr(jax.grad(lambda p: fn(p, batch)[0].sum()))(params))
         # The model's own output-projection chunks are rematerialised with policy=None in every case.
         return set(re.findall(r"policy=(\S+)", text)) - {"None"}
 
@@ -217,11 +221,87 @@ def test_remat_policy_reaches_the_model():
     assert remat_policies("full")  # nothing_saveable
 
 
-def test_custom_logprob_fn_needs_axes_and_shapes():
+def test_params_spec_of_a_model_and_a_step_needs_its_parts():
+    spec = ParamsSpec.of_model(CONFIG)
+    assert spec.logical_axes == logical_axes(CONFIG)
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), initial_params())
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), spec.shape) == want
     mesh = make_mesh(1, 8, 1)
     optimizer, _ = make_optimizer(1e-4, schedule="constant")
     loss = ALGORITHMS["sft"].make_loss()
-    with pytest.raises(ValueError, match="needs `config` \\(the model\\) or a custom `logprob_fn`"):
-        make_train_step(loss, optimizer, mesh, RULES["fsdp"])
-    with pytest.raises(ValueError, match="needs `params_logical_axes`"):
-        make_train_step(loss, optimizer, mesh, RULES["fsdp"], logprob_fn=model_logprob_fn(CONFIG))
+    with pytest.raises(TypeError, match="predict"):
+        make_train_step(loss, optimizer, mesh, RULES["fsdp"], params_spec=spec)
+    with pytest.raises(TypeError, match="params_spec"):
+        make_train_step(loss, optimizer, mesh, RULES["fsdp"], predict=model_logprob_fn(CONFIG))
+
+
+def test_step_metrics_are_typed_and_combine_by_type():
+    result = run("grpo", "single")
+    typed = result.typed[0]
+    reduces = {name: m.reduce for name, m in typed.items()}
+    for name in ("train/step", "train/nonfinite_streak", "train/nonfinite_total", "train/learning_rate"):
+        assert reduces[name] == "last", name
+    assert reduces["loss/ratio_max"] == "max" and reduces["loss/ratio_min"] == "min"
+    # Every mean is reported as its update's value with weight 1: a step's updates count equally.
+    means = [name for name, r in reduces.items() if r == "mean"]
+    assert {"train/loss", "train/grad_norm", "loss/policy", "loss/ratio_mean"} <= set(means)
+    assert all(float(typed[name].weight) == 1.0 for name in means)
+    # The three steps read as one RL step's three updates.
+    got = combine_updates(result.typed)
+    values = {name: [m[name] for m in result.metrics] for name in typed}
+    assert got["train/step"] == 3.0 == values["train/step"][-1]
+    assert got["train/learning_rate"] == values["train/learning_rate"][-1]
+    assert got["loss/ratio_max"] == max(values["loss/ratio_max"])
+    assert got["loss/ratio_min"] == min(values["loss/ratio_min"])
+    for name in means:
+        assert got[name] == float(np.mean(values[name])), name
+
+
+def _batch_with_behavior(seed: int = 0):
+    batch = make_batch("grpo", seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    behavior = (batch.old_logprobs + 0.1 * rng.standard_normal(batch.old_logprobs.shape)) * batch.loss_mask
+    return dataclasses.replace(batch, behavior_logprobs=behavior.astype(np.float32))
+
+
+def test_step_built_from_parts_equals_precomputed_old_logprobs():
+    """`old_logprobs_from_current` in the step equals the step on a batch whose `old_logprobs` are the current
+    policy's; diagnostics add their metrics and leave the update alone; entropy reaches the loss only from
+    predict (and through the diagnostics only with `pass_entropy`)."""
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    optimizer, _ = make_optimizer(1e-4, schedule="constant")
+    loss = ALGORITHMS["grpo"].make_loss(kl_coef=0.05)
+    spec = ParamsSpec.of_model(CONFIG)
+
+    def build(loss_fn, with_entropy):
+        predict = model_logprob_fn(CONFIG, chunk_size=8, with_entropy=with_entropy)
+        return make_train_step(
+            loss_fn, optimizer, mesh, RULES["dp"], predict=predict, params_spec=spec, compiler_options=FAST_COMPILE
+        )
+
+    batch = _batch_with_behavior()
+    current, _ = model_logprob_fn(CONFIG, chunk_size=8)(initial_params(), batch)
+    precomputed = dataclasses.replace(batch, old_logprobs=np.asarray(current) * batch.loss_mask)
+    outputs = {}
+    for name, loss_fn, with_entropy, b in (
+        ("precomputed", loss, False, precomputed),
+        ("from_current", old_logprobs_from_current(loss), False, batch),
+        ("diagnostics", with_logprob_diagnostics(old_logprobs_from_current(loss), pass_entropy=False), True, batch),
+        ("with_entropy", with_logprob_diagnostics(old_logprobs_from_current(loss)), True, batch),
+    ):
+        step = build(loss_fn, with_entropy)
+        state, metrics = step(step.init_state(initial_params()), step.place_batch(b))
+        outputs[name] = (jax.tree.map(np.asarray, state.params), combine_updates([jax.device_get(metrics)]))
+    want_params, want = outputs["precomputed"]
+    for name in ("from_current", "diagnostics", "with_entropy"):
+        params, got = outputs[name]
+        assert max_relative_difference(params, want_params) < 1e-6, name
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+    assert want["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert "train/entropy" not in outputs["from_current"][1]
+    assert "loss/entropy" not in outputs["diagnostics"][1]
+    diagnostics, with_entropy = outputs["diagnostics"][1], outputs["with_entropy"][1]
+    for key in ("rollout/logprob_mismatch_kl", "rollout/behavior_ess", "train/entropy", "train/kl_ref"):
+        assert key in diagnostics, key
+    assert with_entropy["loss/entropy"] == pytest.approx(with_entropy["train/entropy"], rel=1e-6)

@@ -10,9 +10,11 @@ and ``loss_mask`` and GAE (``feynrl_jax.losses.advantages.gae``) consumes it dir
 
 The value loss is PPO's clipped squared error (Schulman et al. 2017, "Proximal Policy Optimization
 Algorithms", arXiv:1707.06347, eq. 9 and the clipped variant of the OpenAI baselines):
-``0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``, token-mean over the completion. The policy's
-loss is run with ``vf_coef = 0``: the actor and the critic are separate models with separate optimizers, as in
-verl and OpenRLHF, rather than one network with a shared loss.
+``0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``, token-mean over the completion, times
+``vf_coef``. It is ``feynrl_jax.losses.value.clipped_value_error``, the function behind ``ppo_loss``'s value term
+too, so the two cannot drift apart. The policy's ``ppo_loss`` runs with its own ``vf_coef = 0``: the actor and
+the critic are separate models with separate optimizers, as in verl and OpenRLHF, rather than one network with a
+shared loss.
 
 The critic step reuses ``make_train_step``: its "per-token prediction" function returns values instead of
 log-probabilities, and the loss below reads them; sharding, gradient accumulation and the non-finite guard are
@@ -31,9 +33,10 @@ from jax.sharding import Mesh
 
 from feynrl_jax.losses import LossSum, TrainBatch, aggregation
 from feynrl_jax.losses import metrics as metrics_lib
+from feynrl_jax.losses.value import clipped_value_error
 from feynrl_jax.models import ModelConfig, forward, init_params, logical_axes, predecessor_hidden
 from feynrl_jax.sharding.rules import Rules
-from feynrl_jax.train.step import TrainStep, make_train_step
+from feynrl_jax.train.step import ParamsSpec, TrainStep, make_train_step
 
 
 def init_critic_params(policy_params: Any, config: ModelConfig) -> dict[str, Any]:
@@ -101,38 +104,36 @@ def critic_values(
 
 
 def value_loss(
-    values: jax.Array, batch: TrainBatch, *, value_clip: float | None = 0.2
+    values: jax.Array, batch: TrainBatch, *, value_clip: float | None = 0.2, vf_coef: float = 1.0
 ) -> tuple[LossSum, dict[str, metrics_lib.Metric]]:
-    """PPO's clipped value loss, token-mean over ``batch.loss_mask``.
+    """PPO's clipped value loss (``feynrl_jax.losses.value.clipped_value_error``), token-mean over ``loss_mask``.
+
+    The loss is ``vf_coef * sum_t m_t l^V_t / sum_t m_t``. The critic is a separate model with its own AdamW, so
+    ``vf_coef`` does not trade the value loss against the policy's: AdamW's update is invariant to the scale of
+    the gradient, and ``vf_coef`` only acts through the global gradient-norm clip (a larger scale reaches the
+    clip threshold sooner) and AdamW's ``eps`` (a smaller scale brings the gradient nearer ``eps``).
 
     Args:
         values: ``[B, T]`` current critic predictions.
-        batch: needs ``values`` (the critic's predictions at rollout time) and ``returns`` (GAE targets).
+        batch: needs ``returns`` (GAE targets) and, when clipping, ``values`` (the critic's predictions at
+            rollout time).
         value_clip: clip range of the update around ``batch.values``; None for the plain squared error.
+        vf_coef: scale of the loss (> 0).
 
     Returns:
-        ``(LossSum, metrics)`` with ``loss/value``, ``loss/value_clip_frac``, ``loss/value_pred_mean`` and
-        ``loss/value_error_abs`` (mean ``|V - R|``).
+        ``(LossSum, metrics)``: ``LossSum(vf_coef * sum of masked l^V, number of valid tokens)``; metrics
+        ``loss/value`` (unscaled by ``vf_coef``), ``loss/value_clip_frac`` (when clipping),
+        ``loss/value_pred_mean`` and ``loss/value_error_abs`` (mean ``|V - R|``).
 
     Raises:
-        ValueError: when ``batch.values`` or ``batch.returns`` is missing.
+        ValueError: when ``vf_coef <= 0``, ``values`` is mis-shaped, or ``batch.returns`` (or, when clipping,
+            ``batch.values``) is missing.
     """
-    if batch.values is None or batch.returns is None:
-        raise ValueError("value_loss: the batch needs values (rollout-time critic values) and returns")
-    mask = batch.loss_mask
-    error = jnp.square(values - batch.returns)
-    metrics = {
-        "loss/value_pred_mean": metrics_lib.mean_metric(values, mask),
-        "loss/value_error_abs": metrics_lib.mean_metric(jnp.abs(values - batch.returns), mask),
-    }
-    if value_clip is not None:
-        clipped = batch.values + jnp.clip(values - batch.values, -value_clip, value_clip)
-        clipped_error = jnp.square(clipped - batch.returns)
-        metrics["loss/value_clip_frac"] = metrics_lib.mean_metric((clipped_error > error).astype(error.dtype), mask)
-        error = jnp.maximum(error, clipped_error)
-    per_token = 0.5 * error
-    metrics["loss/value"] = metrics_lib.mean_metric(per_token, mask)
-    return aggregation.aggregate(per_token, mask, batch.segment_ids, mode="token_mean"), metrics
+    if vf_coef <= 0:
+        raise ValueError(f"value_loss: vf_coef must be > 0, got {vf_coef}")
+    per_token, metrics = clipped_value_error(values, batch, value_clip=value_clip, loss_name="value_loss")
+    loss = aggregation.aggregate(vf_coef * per_token, batch.loss_mask, batch.segment_ids, mode="token_mean")
+    return loss, metrics
 
 
 def make_critic_train_step(
@@ -142,6 +143,7 @@ def make_critic_train_step(
     rules: Rules,
     *,
     value_clip: float | None,
+    vf_coef: float = 1.0,
     grad_accum: int,
     remat: str | None = None,
 ) -> TrainStep:
@@ -153,6 +155,7 @@ def make_critic_train_step(
         mesh: the device mesh.
         rules: the logical-axis rules table.
         value_clip: see ``value_loss``.
+        vf_coef: scale of the critic's loss (see ``value_loss``).
         grad_accum: micro-batches per update.
         remat: rematerialisation policy.
 
@@ -160,17 +163,15 @@ def make_critic_train_step(
         A ``TrainStep`` over the critic params; ``step.init_state(init_critic_params(...))`` starts it.
     """
 
-    def predict(params: Any, batch: TrainBatch, with_entropy: bool) -> tuple[jax.Array, None]:
-        del with_entropy
+    def predict(params: Any, batch: TrainBatch) -> tuple[jax.Array, None]:
         return critic_values(params, batch.tokens, batch.positions, batch.segment_ids, config=config, remat=remat), None
 
     return make_train_step(
-        functools.partial(value_loss, value_clip=value_clip),
+        functools.partial(value_loss, value_clip=value_clip, vf_coef=vf_coef),
         optimizer,
         mesh,
         rules,
-        logprob_fn=predict,
-        params_logical_axes=critic_logical_axes(config),
-        params_shape=critic_params_shape(config),
+        predict=predict,
+        params_spec=ParamsSpec(critic_logical_axes(config), critic_params_shape(config)),
         grad_accum=grad_accum,
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from feynrl_jax.losses.metrics import Metric
+
 STREAK_METRIC = "train/nonfinite_streak"
 TOTAL_METRIC = "train/nonfinite_total"
 
@@ -35,17 +37,23 @@ class NonFiniteGuard:
         """Raises ``NonFiniteError`` when ``metrics["train/nonfinite_streak"]`` exceeds the limit.
 
         Args:
-            metrics: the step's metrics (device or host scalars); reading the streak waits for the step.
+            metrics: the step's metrics (its ``Metric`` records, or device or host scalars); reading the streak
+                waits for the step.
             step: the step number, for the message.
         """
         if STREAK_METRIC not in metrics:
             raise KeyError(f"metrics lack {STREAK_METRIC!r}; pass the metrics returned by the train step")
-        streak = int(metrics[STREAK_METRIC])
+        streak = _count(metrics[STREAK_METRIC])
         if streak > self.max_consecutive:
             where = "" if step is None else f" at step {step}"
-            total = int(metrics[TOTAL_METRIC]) if TOTAL_METRIC in metrics else streak
+            total = _count(metrics[TOTAL_METRIC]) if TOTAL_METRIC in metrics else streak
             raise NonFiniteError(
                 f"non-finite gradient or loss for {streak} consecutive steps{where} (limit {self.max_consecutive}, "
                 f"{total} skipped in total): the run has diverged; lower the learning rate, check the data, or "
                 "raise train.max_nonfinite_steps"
             )
+
+
+def _count(value: Any) -> int:
+    """A counter of the step's metrics, given as its "last" ``Metric`` or as a scalar."""
+    return int(value.value if isinstance(value, Metric) else value)

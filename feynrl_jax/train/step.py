@@ -1,11 +1,14 @@
 """The train step: one ``jax.jit`` over the mesh, with donated state and explicit in/out shardings.
 
-``make_train_step`` builds ``step(state, batch) -> (state, metrics)``:
+``make_train_step`` builds ``step(state, batch) -> (state, metrics)`` from two parts the caller composes:
+``predict(params, batch) -> (per_token [B, T], entropy [B, T] or None)`` (the policy's log-probabilities,
+``model_logprob_fn``; the critic's values) and the loss (``loss(per_token, batch, *, entropy=None, **hp)``,
+possibly wrapped by ``feynrl_jax.train.loss_parts``). The params' logical axes and shapes come as a ``ParamsSpec``
+(``ParamsSpec.of_model(config)`` for a model config).
 
 1. the batch ``[B, T]`` is dealt into ``grad_accum`` micro-batches (``microbatch.split_microbatches``);
-2. ``lax.scan`` over them computes the current policy's float32 log-probabilities
-   (``feynrl_jax.models.sequence_logprobs``, entropy too when the algorithm uses it), calls the loss, and
-   accumulates the gradient of the loss's ``total`` together with its ``denom``;
+2. ``lax.scan`` over them runs ``predict`` (cast to float32), calls the loss (with ``entropy=`` when predict
+   returned one), and accumulates the gradient of the loss's ``total`` together with its ``denom``;
 3. the summed gradient is divided by the summed denominator, so any number of micro-batches gives the
    gradient of one large batch (the losses return ``(total, denom)``, not means; Tunix's ``WeightedMetric``);
 4. a non-finite gradient or loss skips the update (params and optimizer state unchanged) and increments the
@@ -15,10 +18,12 @@ Shardings: params by the logical axes and the rules table; the optimizer state b
 structure); batches over ``("data", "fsdp")`` on ``B``; metrics replicated. XLA's SPMD partitioner inserts the
 all-gathers and reduce-scatters of FSDP and the collectives of tensor parallelism.
 
-Metrics: the loss's own (``loss/...``, combined exactly across micro-batches) plus ``train/loss``,
-``train/loss_denom``, ``train/grad_norm`` (before clipping), ``train/update_skipped``,
-``train/nonfinite_streak``, ``train/nonfinite_total``, ``train/step`` and, given a schedule,
-``train/learning_rate``.
+Metrics: a ``{name: Metric}`` dict, one update's, typed by how several updates combine
+(``feynrl_jax.losses.metrics.combine_updates``): the loss's own (``loss/...``, combined exactly across
+micro-batches; each "mean" then reported as its value with weight 1, so a step's updates count equally; "max" /
+"min" as they are), ``train/loss``, ``train/loss_denom``, ``train/grad_norm`` (before clipping) and
+``train/update_skipped`` ("mean", weight 1); ``train/nonfinite_streak``, ``train/nonfinite_total``,
+``train/step`` and, given a schedule, ``train/learning_rate`` ("last"). ``compute_metrics`` reads the values.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics, compute_metrics
-from feynrl_jax.losses.metrics import Metric, max_metric, mean_metric
+from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics
+from feynrl_jax.losses.metrics import Metric, last_metric, scalar_metric
 from feynrl_jax.models import ModelConfig, init_params, logical_axes, sequence_logprobs
 from feynrl_jax.sharding import (
     batch_size_multiple,
@@ -48,8 +53,26 @@ from feynrl_jax.sharding.rules import Rules, batch_pspec
 from feynrl_jax.train.microbatch import check_divisible, split_microbatches
 from feynrl_jax.train.state import TrainState, create_train_state
 
-LogprobFn = Callable[[Any, TrainBatch, bool], tuple[jax.Array, jax.Array | None]]
-"""``(params, batch, with_entropy) -> (logprobs [B, T] f32, entropy [B, T] f32 or None)``."""
+Predict = Callable[[Any, TrainBatch], tuple[jax.Array, jax.Array | None]]
+"""``(params, batch) -> (per_token [B, T] f32, entropy [B, T] f32 or None)``: what the loss is a function of."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsSpec:
+    """The params' logical axes and shapes: what the step needs to shard params and optimizer state.
+
+    Attributes:
+        logical_axes: pytree of logical-axis tuples (``feynrl_jax.models.logical_axes``), like the params.
+        shape: pytree of ``jax.ShapeDtypeStruct`` (or arrays), like the params.
+    """
+
+    logical_axes: Any
+    shape: Any
+
+    @classmethod
+    def of_model(cls, config: ModelConfig) -> ParamsSpec:
+        """The spec of ``init_params(config, key)`` (shapes by ``jax.eval_shape``: nothing is allocated)."""
+        return cls(logical_axes(config), jax.eval_shape(functools.partial(init_params, config), jax.random.key(0)))
 
 
 def model_logprob_fn(
@@ -59,7 +82,8 @@ def model_logprob_fn(
     chunk_size: int = 256,
     remat: str | None = None,
     first_column: int = 1,
-) -> LogprobFn:
+    with_entropy: bool = False,
+) -> Predict:
     """The policy's log-probabilities of ``batch.tokens`` under ``config``'s model (contract alignment).
 
     Args:
@@ -68,12 +92,14 @@ def model_logprob_fn(
         chunk_size: sequence positions per chunk of the output projection (bounds the ``[B, T, V]`` logits).
         remat: rematerialisation policy for the layers ("none", "full", "dots"; None: ``config.remat``).
         first_column: no token before this column is scored (the shared-prefix layout's prompt width).
+        with_entropy: also return the entropy of each predictive distribution (else None); the step then passes
+            it to the loss as ``entropy=``.
 
     Returns:
-        A ``LogprobFn``.
+        A ``Predict``: ``(params, batch) -> (logprobs [B, T] f32, entropy [B, T] f32 or None)``.
     """
 
-    def fn(params: Any, batch: TrainBatch, with_entropy: bool) -> tuple[jax.Array, jax.Array | None]:
+    def predict(params: Any, batch: TrainBatch) -> tuple[jax.Array, jax.Array | None]:
         return sequence_logprobs(
             params,
             batch.tokens,
@@ -87,35 +113,7 @@ def model_logprob_fn(
             first_column=first_column,
         )
 
-    return fn
-
-
-def logprob_diagnostic_metrics(logprobs: jax.Array, entropy: jax.Array, batch: TrainBatch) -> dict[str, Metric]:
-    """The current policy against the rollout engine (and the reference) on the batch's ``loss_mask`` tokens.
-
-    Args:
-        logprobs: ``[B, T]`` current-policy log-probabilities.
-        entropy: ``[B, T]`` entropy of each predictive distribution.
-        batch: the batch; ``behavior_logprobs`` is required, ``ref_logprobs`` optional.
-
-    Returns:
-        ``rollout/logprob_mismatch_kl``: mean of ``behaviour - current`` (a k1 estimate of KL(behaviour ||
-        current), the tokens being samples of the behaviour policy); ``rollout/logprob_mismatch_k3``: mean of
-        ``exp(c - b) - 1 - (c - b)``; ``rollout/logprob_mismatch_max_abs``; ``train/entropy``; with a reference,
-        ``train/kl_ref``, the k3 estimate of KL(current || reference).
-    """
-    mask = batch.loss_mask
-    diff = batch.behavior_logprobs - logprobs
-    out = {
-        "rollout/logprob_mismatch_kl": mean_metric(diff, mask),
-        "rollout/logprob_mismatch_k3": mean_metric(jnp.exp(-diff) - 1.0 + diff, mask),
-        "rollout/logprob_mismatch_max_abs": max_metric(jnp.abs(diff), mask),
-        "train/entropy": mean_metric(entropy, mask),
-    }
-    if batch.ref_logprobs is not None:
-        log_ratio = batch.ref_logprobs - logprobs
-        out["train/kl_ref"] = mean_metric(jnp.exp(log_ratio) - 1.0 - log_ratio, mask)
-    return out
+    return predict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +133,11 @@ class TrainStep:
     state_shardings: TrainState
     grad_accum: int
     rows_per_example: int
-    _jitted: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]
+    _jitted: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, Metric]]]
     _init: Callable[[Any], TrainState]
     _traces: list[int]
 
-    def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Metric]]:
         check_divisible(batch.tokens.shape[0], self.grad_accum, self.rows_per_example, batch_size_multiple(self.mesh))
         return self._jitted(state, batch)
 
@@ -175,95 +173,59 @@ def _fold_metrics(stacked: dict[str, Any], num: int) -> dict[str, Any]:
     return folded
 
 
+def _per_update(metric: Metric) -> Metric:
+    """A mean as its value with weight 1 (a step's updates count equally); max, min and last as they are."""
+    return scalar_metric(metric.value, 1.0) if metric.reduce == "mean" else metric
+
+
 def make_train_step(
-    loss_fn: Callable[..., tuple[LossSum, dict[str, Any]]],
+    loss_fn: Callable[..., tuple[LossSum, dict[str, Metric]]],
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     rules: Rules,
     *,
-    config: ModelConfig | None = None,
-    logprob_fn: LogprobFn | None = None,
-    params_logical_axes: Any = None,
-    params_shape: Any = None,
-    loss_hyperparameters: Mapping[str, Any] | None = None,
+    predict: Predict,
+    params_spec: ParamsSpec,
     grad_accum: int = 1,
     rows_per_example: int = 1,
-    with_entropy: bool = False,
-    temperature: float = 1.0,
-    logprob_chunk_size: int = 256,
-    logprob_first_column: int = 1,
-    remat: str | None = None,
-    old_logprobs_from_current: bool = False,
-    logprob_diagnostics: bool = False,
     learning_rate_fn: optax.Schedule | None = None,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
 ) -> TrainStep:
-    """Builds the jitted train step.
+    """Builds the jitted train step from its parts.
 
     Args:
-        loss_fn: a loss with the contract signature ``loss(logprobs [B, T], batch, *, entropy=None,
-            **hyperparameters) -> (LossSum, metrics)`` (e.g. ``ALGORITHMS[name].loss_fn``).
+        loss_fn: a loss with the contract signature ``loss(per_token [B, T], batch, *, entropy=None) ->
+            (LossSum, metrics)``, hyperparameters bound (e.g. ``ALGORITHMS[name].make_loss(...)``), possibly
+            wrapped by ``feynrl_jax.train.loss_parts`` (``old_logprobs_from_current``,
+            ``with_logprob_diagnostics``).
         optimizer: an optax optimizer (e.g. from ``feynrl_jax.train.optimizer.make_optimizer``).
         mesh: the device mesh (``feynrl_jax.sharding.make_mesh``).
         rules: a rules table (``feynrl_jax.sharding.RULES[...]``).
-        config: the model config; gives the default ``logprob_fn``, the params' logical axes and shapes.
-        logprob_fn: overrides the model's log-probabilities (a custom model); then ``params_logical_axes`` and
-            ``params_shape`` are required unless ``config`` gives them.
-        params_logical_axes: pytree of logical-axis tuples (default ``logical_axes(config)``).
-        params_shape: pytree of params or ``jax.ShapeDtypeStruct`` (default: the shapes of ``init_params``).
-        loss_hyperparameters: keyword arguments of ``loss_fn`` (clip ranges, KL coefficient, ...).
+        predict: ``(params, batch) -> (per_token [B, T], entropy [B, T] or None)``: the policy's
+            log-probabilities (``model_logprob_fn``) or another per-token prediction (the critic's values). The
+            loss gets ``entropy=`` only when predict returns one.
+        params_spec: the params' logical axes and shapes (``ParamsSpec.of_model(config)`` for a model config).
         grad_accum: micro-batches per step; ``B`` must be a multiple of
             ``grad_accum * rows_per_example * data * fsdp``.
         rows_per_example: consecutive rows that form one example and stay in one micro-batch (2 for DPO).
-        with_entropy: compute the policy entropy and pass it to the loss as ``entropy=``.
-        temperature: sampling temperature of the rollouts (logits are divided by it).
-        logprob_chunk_size: sequence chunk of the output projection.
-        logprob_first_column: no token before this column is scored (see ``model_logprob_fn``).
-        remat: rematerialisation policy passed to the model ("none", "full", "dots"; None: ``config.remat``).
-        old_logprobs_from_current: the ratio's denominator is the current params' own log-probabilities (with no
-            gradient) instead of ``batch.old_logprobs``. With one update per batch these are the pre-update
-            policy's, so an RL step needs no separate forward pass to recompute them.
-        logprob_diagnostics: also report, over ``loss_mask`` tokens, the current policy's entropy
-            (``train/entropy``), its mismatch with ``batch.behavior_logprobs`` (``rollout/logprob_mismatch_kl``,
-            ``_k3``, ``_max_abs``: see ``logprob_diagnostic_metrics``) and, when the batch has
-            ``ref_logprobs``, the k3 KL to the reference (``train/kl_ref``).
         learning_rate_fn: the optimizer's schedule, to report ``train/learning_rate``.
         donate: donate the input state's buffers to the output (halves peak memory; the input is consumed).
         compiler_options: XLA options for this program (e.g. ``{"xla_backend_optimization_level": 0}`` to
             compile tiny CPU test models fast, or GPU scheduler flags).
 
     Returns:
-        A ``TrainStep``: call it as ``state, metrics = step(state, batch)``; ``step.init_state(params)`` makes
-        the sharded initial state.
+        A ``TrainStep``: call it as ``state, metrics = step(state, batch)`` (``metrics``: ``{name: Metric}``, see
+        the module docstring); ``step.init_state(params)`` makes the sharded initial state.
 
     Raises:
-        ValueError: when neither ``config`` nor a complete custom ``logprob_fn`` set-up is given, or
-            ``grad_accum`` / ``rows_per_example`` are not positive.
+        ValueError: when ``grad_accum`` or ``rows_per_example`` is not positive.
     """
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     if rows_per_example < 1:
         raise ValueError(f"rows_per_example must be >= 1, got {rows_per_example}")
-    if logprob_fn is None:
-        if config is None:
-            raise ValueError("make_train_step needs `config` (the model) or a custom `logprob_fn`")
-        logprob_fn = model_logprob_fn(
-            config,
-            temperature=temperature,
-            chunk_size=logprob_chunk_size,
-            remat=remat,
-            first_column=logprob_first_column,
-        )
-    if params_logical_axes is None:
-        if config is None:
-            raise ValueError("a custom `logprob_fn` without `config` needs `params_logical_axes`")
-        params_logical_axes = logical_axes(config)
-    if params_shape is None:
-        if config is None:
-            raise ValueError("a custom `logprob_fn` without `config` needs `params_shape`")
-        params_shape = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
-    hyperparameters = dict(loss_hyperparameters or {})
+    params_logical_axes, params_shape = params_spec.logical_axes, params_spec.shape
 
     p_shardings = param_shardings(params_logical_axes, mesh, rules, shapes=params_shape)
     rep = replicated(mesh)
@@ -277,14 +239,9 @@ def make_train_step(
     traces = [0]
 
     def micro_loss(params: Any, micro: TrainBatch) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
-        logprobs, entropy = logprob_fn(params, micro, with_entropy or logprob_diagnostics)
-        logprobs = logprobs.astype(jnp.float32)
-        if old_logprobs_from_current:
-            micro = dataclasses.replace(micro, old_logprobs=jax.lax.stop_gradient(logprobs) * micro.loss_mask)
-        extra = {"entropy": entropy} if with_entropy else {}
-        loss_sum, metrics = loss_fn(logprobs, micro, **extra, **hyperparameters)
-        if logprob_diagnostics:
-            metrics = {**metrics, **logprob_diagnostic_metrics(logprobs, entropy, micro)}
+        per_token, entropy = predict(params, micro)
+        extra = {} if entropy is None else {"entropy": entropy}
+        loss_sum, metrics = loss_fn(per_token.astype(jnp.float32), micro, **extra)
         return loss_sum.total, (loss_sum.denom, metrics)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -295,7 +252,7 @@ def make_train_step(
         grads = jax.lax.with_sharding_constraint(grads, p_shardings)
         return grads, total.astype(jnp.float32), denom.astype(jnp.float32), metrics
 
-    def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Metric]]:
         traces[0] += 1
         params = state.params
         if grad_accum == 1:
@@ -331,20 +288,20 @@ def make_train_step(
             nonfinite_streak=streak,
             nonfinite_total=state.nonfinite_total + (~finite).astype(jnp.int32),
         )
-        out = dict(compute_metrics(metrics))
+        out = {name: _per_update(m) for name, m in metrics.items()}
         out.update(
             {
-                "train/loss": loss,
-                "train/loss_denom": denom,
-                "train/grad_norm": grad_norm,
-                "train/update_skipped": (~finite).astype(jnp.float32),
-                "train/nonfinite_streak": new_state.nonfinite_streak,
-                "train/nonfinite_total": new_state.nonfinite_total,
-                "train/step": new_state.step,
+                "train/loss": scalar_metric(loss, 1.0),
+                "train/loss_denom": scalar_metric(denom, 1.0),
+                "train/grad_norm": scalar_metric(grad_norm, 1.0),
+                "train/update_skipped": scalar_metric((~finite).astype(jnp.float32), 1.0),
+                "train/nonfinite_streak": last_metric(new_state.nonfinite_streak),
+                "train/nonfinite_total": last_metric(new_state.nonfinite_total),
+                "train/step": last_metric(new_state.step),
             }
         )
         if learning_rate_fn is not None:
-            out["train/learning_rate"] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)
+            out["train/learning_rate"] = last_metric(jnp.asarray(learning_rate_fn(state.step), jnp.float32))
         return new_state, out
 
     batch_in = NamedSharding(mesh, batch_pspec(1))
@@ -373,12 +330,16 @@ def make_algorithm_train_step(
     *,
     config: ModelConfig,
     hyperparameters: Mapping[str, Any] | None = None,
+    logprob_chunk_size: int = 256,
+    remat: str | None = None,
     **kwargs: Any,
 ) -> TrainStep:
     """``make_train_step`` for an ``Algorithm`` of the registry (``feynrl_jax.losses.ALGORITHMS[name]``).
 
-    The loss is ``algorithm.make_loss(**hyperparameters)`` (the algorithm's defaults, overridden); entropy is
-    computed when ``algorithm.uses_entropy``; DPO-style algorithms keep chosen/rejected pairs in one micro-batch.
+    The parts: the loss is ``algorithm.make_loss(**hyperparameters)`` (the algorithm's defaults, overridden);
+    ``predict`` is ``config``'s model at temperature 1, with the entropy when ``algorithm.uses_entropy``; the
+    params are ``ParamsSpec.of_model(config)``. DPO-style algorithms keep chosen/rejected pairs in one
+    micro-batch.
 
     Args:
         algorithm: the ``Algorithm`` record.
@@ -387,22 +348,26 @@ def make_algorithm_train_step(
         rules: the rules table.
         config: the model config.
         hyperparameters: overrides of the algorithm's defaults (every key must be one of them).
-        **kwargs: the other keyword arguments of ``make_train_step``.
+        logprob_chunk_size: sequence chunk of the output projection (``model_logprob_fn``'s ``chunk_size``).
+        remat: rematerialisation policy passed to the model (None: ``config.remat``).
+        **kwargs: ``make_train_step``'s ``grad_accum``, ``learning_rate_fn``, ``donate``, ``compiler_options``.
 
     Raises:
-        ValueError: naming an unknown hyperparameter, or a critic-based algorithm (no value head here yet).
+        ValueError: naming an unknown hyperparameter, or a critic-based algorithm (no value head here).
     """
     if algorithm.needs_critic:
         raise ValueError(
-            f"algorithm {algorithm.name!r} needs a critic (values), which make_train_step does not compute"
+            f"algorithm {algorithm.name!r} needs a critic (values), which make_algorithm_train_step does not compute"
         )
     return make_train_step(
         algorithm.make_loss(**dict(hyperparameters or {})),
         optimizer,
         mesh,
         rules,
-        config=config,
-        with_entropy=algorithm.uses_entropy,
+        predict=model_logprob_fn(
+            config, chunk_size=logprob_chunk_size, remat=remat, with_entropy=algorithm.uses_entropy
+        ),
+        params_spec=ParamsSpec.of_model(config),
         rows_per_example=2 if algorithm.paradigm == "dpo" else 1,
         **kwargs,
     )

@@ -28,12 +28,13 @@ from feynrl_jax.config.derived import algorithm_hyperparameters, batch_plan
 from feynrl_jax.config.validation import validate
 from feynrl_jax.data.packing import TokenBatch
 from feynrl_jax.losses import ALGORITHMS, TrainBatch
+from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig
 from feynrl_jax.tracking import Tracker
 from feynrl_jax.train import run_setup
 from feynrl_jax.train.nonfinite import NonFiniteGuard
 from feynrl_jax.train.state import TrainState, create_train_state
-from feynrl_jax.train.step import TrainStep, make_algorithm_train_step
+from feynrl_jax.train.step import ParamsSpec, TrainStep, make_algorithm_train_step
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,7 @@ def sft_train_batch(batch: TokenBatch) -> TrainBatch:
 
 def abstract_train_state(train_step: TrainStep, optimizer: Any, model_config: ModelConfig) -> TrainState:
     """The train state's shapes, dtypes and shardings, without allocating it (the restore target)."""
-    from feynrl_jax.models import init_params
-
-    params_shape = jax.eval_shape(lambda key: init_params(model_config, key), jax.random.key(0))
-    shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer), params_shape)
+    shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer), ParamsSpec.of_model(model_config).shape)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
         shapes,
@@ -107,7 +105,8 @@ def abstract_train_state(train_step: TrainStep, optimizer: Any, model_config: Mo
 
 
 def _host_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+    """The step's typed metrics as host floats (a supervised step is one update)."""
+    return combine_updates([jax.device_get(metrics)])
 
 
 def run_supervised(
