@@ -7,6 +7,7 @@ The math rewards run through the real RewardScorer (worker processes), since mat
 import json
 import subprocess
 import sys
+import time
 from fractions import Fraction
 
 import hypothesis
@@ -296,7 +297,7 @@ def _exact_match(prompt, completion, example):
 
 
 def test_registry_names_and_import_paths():
-    assert {"math_verify", "gsm8k", "reasoning_gym", "format", "dapo_overlong"} <= set(available_rewards())
+    assert {"math_verify", "gsm8k", "reasoning_gym", "format", "dapo_overlong", "latency"} <= set(available_rewards())
     assert resolve_reward("gsm8k") is gsm8k_reward
     assert resolve_reward("feynrl_jax.rollout.rewards.gsm8k:gsm8k_reward") is gsm8k_reward
     assert resolve_reward(f"{__name__}:_exact_match") is _exact_match
@@ -362,3 +363,13 @@ def test_reasoning_gym_reward_reads_the_entry_nested_by_the_data_source():
     right = f"<answer>{example['answer']}</answer>"
     assert reasoning_gym_reward("", right, example) == 1.0
     assert reasoning_gym_reward("", "<answer>not a number</answer>", example) < 1.0
+
+
+def test_latency_reward_waits_and_scores_nothing():
+    from feynrl_jax.rollout.rewards.latency import latency_reward
+
+    t0 = time.perf_counter()
+    assert latency_reward("p", "c", {}, delay_s=0.05) == 0.0
+    assert time.perf_counter() - t0 >= 0.05
+    with pytest.raises(ValueError, match="delay_s"):
+        latency_reward("p", "c", {}, delay_s=-1.0)

@@ -217,7 +217,7 @@ def _trainer_step(tmp_path, algo: str, mode: str, ppo_epochs: int):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
     import tiny_rl
 
-    from feynrl_jax.orchestration.trainer import RLTrainer
+    from feynrl_jax.train.rl_trainer import RLTrainer
 
     config = tiny_rl.get_config(algo)
     config.run_dir = str(tmp_path / f"{algo}_{mode}_{ppo_epochs}")
@@ -234,7 +234,7 @@ def _trainer_step(tmp_path, algo: str, mode: str, ppo_epochs: int):
     vocab = trainer.model_config.vocab_size
     rollouts = _rollouts(prompt_lengths=(30, 7, 19, 12, 3, 40, 22, 9), group=2, max_new=16, seed=5, vocab=vocab)
     rewards = np.random.default_rng(0).integers(0, 2, 16).astype(np.float32)
-    metrics = trainer.train(rollouts, rewards, step=1, shuffle_seed=0, rng=np.zeros(2, np.uint32), data_state=None)
+    metrics = trainer.train(rollouts, rewards, step=1, shuffle_seed=0)
     params = trainer.host_params()
     trainer.close()
     return metrics, params

@@ -95,3 +95,10 @@ def algorithm_hyperparameters(config: ConfigDict, accepted: Mapping[str, Any]) -
     if problems:
         raise ConfigError(problems)
     return values
+
+
+def effective_off_policy(config: ConfigDict) -> str:
+    """`algo.off_policy`, or its default: "none" for a sync run, "decoupled" for an async one (AReaL's recipe)."""
+    if config.algo.off_policy is not None:
+        return config.algo.off_policy
+    return "decoupled" if config.train.max_staleness > 0 else "none"

@@ -17,6 +17,7 @@ from ml_collections import ConfigDict
 
 from feynrl_jax.config.algorithms import ALGORITHM_TRAITS, PARADIGMS
 from feynrl_jax.config.base import SOURCE_KINDS, base_config, data_source
+from feynrl_jax.config.derived import effective_off_policy
 from feynrl_jax.config.errors import ConfigError, Problem, suggestion
 
 DTYPES = ("float32", "bfloat16")
@@ -28,6 +29,7 @@ SHARED_PREFIX_MODES = ("auto", "on", "off")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 MESH_RULES = ("dp", "fsdp", "fsdp_tp")
 BAD_ROW_POLICIES = ("error", "skip")
+OFF_POLICY_MODES = ("none", "tis", "decoupled")
 
 
 def flatten(config: ConfigDict, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -78,6 +80,7 @@ def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
     _check_batches(config, bad, num_devices)
     _check_rollout(config, bad)
     _check_algo(config, bad)
+    _check_async(config, bad)
     _check_mesh(config.mesh, bad)
     _check_misc(config, bad)
     if problems:
@@ -361,6 +364,45 @@ def _check_algo(config, bad):
             "algo.dynamic_sampling",
             f"algo.dynamic_sampling drops groups with equal rewards but {algo.name} has no groups.",
         )
+
+
+def _check_async(config, bad):
+    """`train.max_staleness`, the off-policy correction (`algo.off_policy`, `algo.tis_cap`) and CPU pinning."""
+    train, algo = config.train, config.algo
+    _at_least(bad, "train.max_staleness", train.max_staleness, 0)
+    rl = config.paradigm == "rl"
+    if not rl and train.max_staleness > 0:
+        bad(
+            "train.max_staleness",
+            f"train.max_staleness={train.max_staleness} is read by RL runs only, not {config.paradigm}.",
+        )
+    for key in ("train.cpu_cores", "rollout.cpu_cores"):
+        section, name = key.split(".")
+        cores = config[section][name]
+        if not rl and cores:
+            bad(key, f"{key}={cores!r} pins Ray actors, which only RL runs start.")
+        count = os.cpu_count() or 1
+        if any(not isinstance(c, int) or c < 0 for c in cores) or len(set(cores)) != len(cores):
+            bad(key, f"{key}={cores!r} must list distinct CPU core numbers (integers >= 0).")
+        elif not config.ray.address and any(c >= count for c in cores):
+            bad(key, f"{key}={cores!r} names a core this machine does not have (it has cores 0 to {count - 1}).")
+    if algo.off_policy is not None:
+        _choice(bad, "algo.off_policy", algo.off_policy, OFF_POLICY_MODES)
+    mode = effective_off_policy(config)
+    cap = algo.tis_cap
+    if not math.isfinite(cap) or cap < 0:
+        bad("algo.tis_cap", f"algo.tis_cap={cap!r} must be a finite number >= 0.")
+    elif mode == "tis" and cap == 0:
+        bad("algo.tis_cap", "algo.off_policy='tis' truncates its importance weight at algo.tis_cap, which is 0.")
+    if rl and mode != "none" and not train.recompute_old_logprobs:
+        bad(
+            "train.recompute_old_logprobs",
+            f"algo.off_policy={mode!r} weights tokens by pi_old / pi_behaviour with pi_old recomputed by the "
+            "trainer, but train.recompute_old_logprobs is False (pi_old would be the behaviour policy itself).",
+        )
+    for key in ("tis_cap", "decoupled"):
+        if key in algo.hparams:
+            bad(f"algo.hparams.{key}", f"algo.hparams.{key} is set by algo.off_policy and algo.tis_cap; set those.")
 
 
 def _check_mesh(mesh, bad):

@@ -12,6 +12,7 @@ Each actor imports JAX and its models inside its own process; the driver only mo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from feynrl_jax.orchestration.param_store import (
     flatten_params,
     unflatten_params,
 )
+from feynrl_jax.orchestration.runtime import pin_cpu_cores
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +86,57 @@ def publish_params(store: Any, params: Any, version: int) -> dict[str, float]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamsSnapshot:
+    """One published version as the store holds it: object references, not arrays.
+
+    Handing a snapshot to a rollout worker (inside an argument, so Ray passes the references through unresolved)
+    pins that version: its arrays stay in the object store while any holder keeps the snapshot, whatever the
+    trainer publishes meanwhile.
+
+    Attributes:
+        version: the policy version.
+        refs: `{leaf name: [ObjectRef]}`.
+        checksum: the publisher's checksum of the arrays (`checksum_leaves`).
+    """
+
+    version: int
+    refs: dict[str, list]
+    checksum: int
+
+
+def latest_snapshot(store: Any) -> ParamsSnapshot | None:
+    """The store's published version as a `ParamsSnapshot`, or None before the first publish."""
+    snapshot = ray.get(store.latest.remote())
+    return None if snapshot is None else ParamsSnapshot(*snapshot)
+
+
+def fetch_snapshot(snapshot: ParamsSnapshot, *, verify: bool = True) -> dict[str, Any]:
+    """The snapshot's params as a nested dict of numpy arrays.
+
+    Raises:
+        StoreError: when `verify` and the fetched bytes do not match the writer's checksum.
+    """
+    names = sorted(snapshot.refs)
+    arrays = ray.get([snapshot.refs[name][0] for name in names])
+    leaves = dict(zip(names, arrays, strict=True))
+    if verify and checksum_leaves(leaves) != snapshot.checksum:
+        raise StoreError(
+            f"version {snapshot.version}: fetched parameters do not match the publisher's checksum {snapshot.checksum}"
+        )
+    return unflatten_params(leaves)
+
+
 def fetch_params(store: Any, *, verify: bool = True) -> tuple[int, dict[str, Any]] | None:
     """The store's published version as `(version, nested params of numpy arrays)`, or None before the first.
 
     Raises:
         StoreError: when `verify` and the fetched bytes do not match the writer's checksum.
     """
-    snapshot = ray.get(store.latest.remote())
+    snapshot = latest_snapshot(store)
     if snapshot is None:
         return None
-    version, refs, checksum = snapshot
-    names = sorted(refs)
-    arrays = ray.get([refs[name][0] for name in names])
-    leaves = dict(zip(names, arrays, strict=True))
-    if verify and checksum_leaves(leaves) != checksum:
-        raise StoreError(f"version {version}: fetched parameters do not match the publisher's checksum {checksum}")
-    return version, unflatten_params(leaves)
+    return snapshot.version, fetch_snapshot(snapshot, verify=verify)
 
 
 def worker_name(run_dir: str, index: int) -> str:
@@ -109,30 +146,31 @@ def worker_name(run_dir: str, index: int) -> str:
 
 @ray.remote
 class RolloutWorker:
-    """Owns a `NativeEngine`; loads the store's latest params before generating whenever it is behind.
+    """Owns a `NativeEngine`; loads the params of the version each `generate` call names.
 
     Args:
         model_config: the policy's `ModelConfig`.
         tokenizer_dir: folder of the tokenizer (detokenises for stop strings).
-        store: the `ParamStoreActor` handle.
         num_slots, cache_len, decode_steps_per_dispatch: engine sizes (`NativeEngine`).
         index: the worker's index (logs).
+        cpu_cores: CPU cores to pin this process to before JAX starts (`rollout.cpu_cores`); () for none.
     """
 
     def __init__(
         self,
         model_config: Any,
         tokenizer_dir: str,
-        store: Any,
         *,
         num_slots: int,
         cache_len: int,
         decode_steps_per_dispatch: int,
         index: int,
+        cpu_cores: Sequence[int] = (),
     ):
+        pin_cpu_cores(cpu_cores)
         from feynrl_jax.checkpoints import load_tokenizer
 
-        self.model_config, self.store, self.index = model_config, store, index
+        self.model_config, self.index = model_config, index
         self.engine_kwargs = dict(
             num_slots=num_slots, cache_len=cache_len, decode_steps_per_dispatch=decode_steps_per_dispatch
         )
@@ -146,32 +184,25 @@ class RolloutWorker:
         return os.getpid()
 
     def status(self) -> dict[str, Any]:
-        """`{"pid", "version", "generating", "generate_calls"}` (answers while a generation runs)."""
+        """`{"pid", "version", "generating", "generate_calls", "cpu_cores"}` (answers while a generation runs)."""
         return {
             "pid": os.getpid(),
             "version": self.version,
             "generating": self.generating,
             "generate_calls": self.generate_calls,
+            "cpu_cores": sorted(os.sched_getaffinity(0)),
         }
 
-    def sync(self, min_version: int, timeout_s: float = 600.0) -> float:
-        """Loads the published params if they are newer than the engine's; waits for `min_version` to appear.
+    def load(self, snapshot: ParamsSnapshot) -> float:
+        """Loads the snapshot's params into the engine unless it holds that version already.
 
         Returns:
             Seconds spent fetching and loading (0 when already current).
-
-        Raises:
-            TimeoutError: `min_version` was not published within `timeout_s`.
         """
-        if self.version >= min_version:
+        if self.version == snapshot.version:
             return 0.0
         t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout_s
-        while ray.get(self.store.version.remote()) < min_version:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout worker {self.index}: version {min_version} not published in {timeout_s}s")
-            time.sleep(0.05)
-        version, params = fetch_params(self.store)
+        params = fetch_snapshot(snapshot)
         if self.engine is None:
             from feynrl_jax.rollout.native_engine import NativeEngine
 
@@ -179,16 +210,27 @@ class RolloutWorker:
                 self.model_config,
                 params,
                 detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                policy_version=version,
+                policy_version=snapshot.version,
                 **self.engine_kwargs,
             )
         else:
-            self.engine.load_params(params, version)
-        self.version = version
+            self.engine.load_params(params, snapshot.version)
+        self.version = snapshot.version
         return time.perf_counter() - t0
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Any, min_version: int) -> tuple[Any, dict]:
-        """Samples `sampling.n` completions per prompt with params of version >= `min_version`.
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Any, snapshot: ParamsSnapshot, delay_s: float = 0.0
+    ) -> tuple[Any, dict]:
+        """Samples `sampling.n` completions per prompt with the params of `snapshot` (exactly that version).
+
+        A worker switches version only here, between two calls, so every token of a call carries the same
+        version and its exact behaviour log-probability.
+
+        Args:
+            prompts: token ids of each prompt.
+            sampling: the `SamplingParams`.
+            snapshot: the version to sample with.
+            delay_s: seconds to sleep first (tests: a slow worker must not change what a run computes).
 
         Returns:
             `(Rollouts, stats)`: the engine's `last_stats` plus `load_seconds`.
@@ -196,7 +238,9 @@ class RolloutWorker:
         self.generating = True
         self.generate_calls += 1
         try:
-            load_seconds = self.sync(min_version)
+            if delay_s:
+                time.sleep(delay_s)
+            load_seconds = self.load(snapshot)
             rollouts = self.engine.generate(prompts, sampling)
             return rollouts, {**self.engine.last_stats, "load_seconds": load_seconds}
         finally:
@@ -244,7 +288,8 @@ class TrainerActor:
     """
 
     def __init__(self, config: Any, store: Any):
-        from feynrl_jax.orchestration.trainer import RLTrainer
+        pin_cpu_cores(config.train.cpu_cores)
+        from feynrl_jax.train.rl_trainer import RLTrainer
 
         self.trainer = RLTrainer(config)
         self.store = store
@@ -253,12 +298,7 @@ class TrainerActor:
         """Builds or restores the state and publishes it; returns where the run starts (`Restored` fields)."""
         restored = self.trainer.start()
         publish_params(self.store, self.trainer.host_params(), restored.policy_version)
-        return {
-            "step": restored.step,
-            "policy_version": restored.policy_version,
-            "rng": restored.rng,
-            "data_state": restored.data_state,
-        }
+        return dataclasses.asdict(restored)
 
     def train(self, rollouts: Any, rewards: np.ndarray, **kwargs: Any) -> dict[str, float]:
         """`RLTrainer.train`, then publishes the new version; adds `perf/publish_seconds`."""
@@ -267,6 +307,13 @@ class TrainerActor:
         metrics.update(publish_params(self.store, self.trainer.host_params(), self.trainer.policy_version))
         metrics["perf/publish_seconds"] = time.perf_counter() - t0
         return metrics
+
+    def save(self, step: int, rng: np.ndarray, data_state: Any, *, force: bool) -> bool:
+        """`RLTrainer.save`: checkpoints the state with the driver's PRNG key and data state, when due."""
+        return self.trainer.save(step, rng, data_state, force=force)
+
+    def cpu_cores(self) -> list[int]:
+        return sorted(os.sched_getaffinity(0))
 
     def evaluate(self, step: int) -> dict[str, float]:
         return self.trainer.evaluate(step)

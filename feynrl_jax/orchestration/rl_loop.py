@@ -1,24 +1,32 @@
-"""The sync RL loop on Ray: `feynrl-jax train --config=configs/grpo_demo.py` (paradigm "rl").
+"""The RL loop on Ray: `feynrl-jax train --config=configs/grpo_demo.py` (paradigm "rl"), sync or async.
 
-Every step, fully on-policy:
+Every step t:
 
-1. draw `train.global_batch_size / rollout.n_samples` prompts from the data mixture;
-2. the rollout workers (`rollout.num_workers` Ray actors, prompts split between them) load the latest
-   published params if they are behind and sample `rollout.n_samples` completions per prompt;
-3. the reward actor scores them (`rollout.rewards`);
-4. DAPO's dynamic sampling (`algo.dynamic_sampling`) drops groups whose rewards are all equal and draws more
+1. the rollout pipeline (`pipeline.RolloutPipeline`, a driver thread) has produced step t's batch: it drew
+   `train.global_batch_size / rollout.n_samples` prompts, had the rollout workers (`rollout.num_workers` Ray
+   actors, prompts split between them) sample `rollout.n_samples` completions per prompt with the params of
+   version `max(0, t - 1 - train.max_staleness)`, and had the reward actor score them (`rollout.rewards`);
+   DAPO's dynamic sampling (`algo.dynamic_sampling`) dropped groups whose rewards are all equal and drew more
    prompts, at most `algo.max_refill_draws` times, to refill the batch;
-5. the trainer actor computes old/reference log-probabilities, advantages (the algorithm's estimator; GAE with
-   the critic for PPO), runs `train.ppo_epochs x train.mini_batches` updates and publishes version `step`
-   to the double-buffered parameter store;
-6. metrics (`rollout/`, `train/`, `loss/`, `perf/`, `eval/`) go to the tracker; a checkpoint is written when due.
+2. the trainer actor computes old (proximal) and reference log-probabilities, advantages (the algorithm's
+   estimator; GAE with the critic for PPO), runs `train.ppo_epochs x train.mini_batches` updates and publishes
+   version t to the double-buffered parameter store;
+3. metrics (`rollout/`, `train/`, `loss/`, `perf/`, `eval/`) go to the tracker; a checkpoint is written when due.
+
+Sync (`train.max_staleness = 0`): step t's batch is sampled by the params step t trains, so generation and
+training alternate. Async (k >= 1): batches of later steps are generated while the trainer trains; a batch is
+at most k versions old, and the loss's off-policy correction (`algo.off_policy`, "decoupled" with a truncated
+weight by default) absorbs the gap. The schedule depends on version numbers only: whatever the machine's
+speed, a run samples and trains the same, and `rollout/version_lag_*` reports each step's staleness.
 
 Fault tolerance: rollout workers restart up to `ray.max_restarts` times; a generation lost to a dead worker is
-retried (at most `rollout.max_retries` times) with the same seed and counted in `rollout/lost_batches`.
+retried (at most `rollout.max_retries` times) with the same seed and params, and counted in
+`rollout/lost_batches`.
 
-Exact resume: the checkpoint of step `s` holds the trainer's state, the prompt iterator after `s` steps, the
-driver's PRNG key and the policy version; the sampling seed of every step derives from that key, so a resumed
-run samples and trains exactly like one that never stopped.
+Exact resume: the checkpoint of step `s` holds the trainer's state, the policy version, the batches in flight
+(steps s+1..s+k, generated from versions the checkpoint no longer has), and the prompt iterator and the
+driver's PRNG key after them; the sampling seed of every step derives from that key, so a resumed run samples
+and trains exactly like one that never stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,10 +43,19 @@ import numpy as np
 import ray
 from ml_collections import ConfigDict
 
-from feynrl_jax.config.derived import batch_plan
+from feynrl_jax.config.derived import batch_plan, effective_off_policy
 from feynrl_jax.config.validation import validate
 from feynrl_jax.data.from_config import build_mixture_from_config
-from feynrl_jax.orchestration.actors import ParamStoreActor, RewardWorker, RolloutWorker, TrainerActor, worker_name
+from feynrl_jax.orchestration.actors import (
+    ParamsSnapshot,
+    ParamStoreActor,
+    RewardWorker,
+    RolloutWorker,
+    TrainerActor,
+    latest_snapshot,
+    worker_name,
+)
+from feynrl_jax.orchestration.pipeline import RolloutPipeline, Scored, restore_state, staleness_metrics
 from feynrl_jax.orchestration.runtime import ACTOR_CPUS, start_ray
 from feynrl_jax.rollout.types import FINISH_LENGTH, Rollouts, SamplingParams
 from feynrl_jax.tracking import Tracker
@@ -47,16 +65,6 @@ from feynrl_jax.train.rl_batch import concat_rollouts, constant_reward_groups, s
 log = logging.getLogger(__name__)
 
 _WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-
-@dataclasses.dataclass
-class Scored:
-    """Rollouts of some prompts with their rewards (`[N]` rows, groups of `n` consecutive rows)."""
-
-    rollouts: Rollouts
-    rewards: np.ndarray
-    per_reward: dict[str, np.ndarray]
-    reward_metrics: dict[str, float]
 
 
 def rollout_sampling(config: ConfigDict, tokenizer: Any, seed: int) -> SamplingParams:
@@ -97,12 +105,18 @@ def wait_until_alive(actor: Any, *, name: str, timeout_s: float = 600.0) -> None
 
 
 def generate(
-    workers: list[Any], prompts: list[list[int]], sampling: SamplingParams, *, min_version: int, max_retries: int
+    workers: list[Any],
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    snapshot: ParamsSnapshot,
+    *,
+    max_retries: int,
+    delay_s: float = 0.0,
 ) -> tuple[Rollouts, dict[str, float]]:
-    """Splits `prompts` between the workers, generates, and retries the chunks of workers that died.
+    """Splits `prompts` between the workers, generates with `snapshot`'s params, retries chunks of dead workers.
 
-    Chunk `i` is sampled with seed `sampling.seed + i`, on its first try and on any retry, so a retried chunk
-    reproduces exactly what the dead worker would have returned.
+    Chunk `i` is sampled with seed `sampling.seed + i` and the same params on its first try and on any retry, so
+    a retried chunk reproduces exactly what the dead worker would have returned.
 
     Returns:
         `(rollouts, stats)`: stats hold `lost` (chunks lost to dead workers), `generated_tokens`,
@@ -120,7 +134,8 @@ def generate(
             i: workers[i].generate.remote(
                 [prompts[j] for j in chunks[i]],
                 dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32),
-                min_version,
+                snapshot,
+                delay_s,
             )
             for i in pending
         }
@@ -197,17 +212,19 @@ def _select(scored: Scored, rows: np.ndarray) -> Scored:
     )
 
 
-def _step_seeds(key: jax.Array) -> tuple[int, int]:
-    bits = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
-    return int(bits[0]), int(bits[1])
-
-
 class _Run:
-    """The driver's side of one run: actors, prompt iterator, tracker (see `run`)."""
+    """The driver's side of one run: actors, prompt iterator, tracker (see `run`).
 
-    def __init__(self, config: ConfigDict):
+    Args:
+        config: the validated RL config.
+        rollout_delay: seconds every rollout worker sleeps before a generation, by sample seed (tests: a run's
+            results must not depend on how fast the workers are); None for no delay.
+    """
+
+    def __init__(self, config: ConfigDict, rollout_delay: Callable[[int], float] | None = None):
         self.config = config
         self.plan = batch_plan(config)
+        self.rollout_delay = rollout_delay
         source = run_setup.resolve_model_source(config.model, config.run_dir)  # converts a GGUF once, here
         self.tokenizer = run_setup.load_run_tokenizer(source)
         model_config = run_setup.model_config(config.model, source, self.tokenizer)
@@ -221,11 +238,11 @@ class _Run:
             ).remote(
                 model_config,
                 source.tokenizer_dir,
-                self.store,
                 num_slots=config.rollout.max_slots,
                 cache_len=config.data.max_seq_len,
                 decode_steps_per_dispatch=config.rollout.decode_steps_per_dispatch,
                 index=i,
+                cpu_cores=tuple(config.rollout.cpu_cores),
             )
             for i in range(config.rollout.num_workers)
         ]
@@ -243,12 +260,17 @@ class _Run:
     def actors(self) -> list[Any]:
         return [self.trainer, self.reward, self.store, *self.workers]
 
-    def _generate_scored(self, seed: int, version: int) -> tuple[Scored, dict[str, float]]:
+    def _generate_scored(self, seed: int, snapshot: ParamsSnapshot) -> tuple[Scored, dict[str, float]]:
         batch = next(self.prompts)
         sampling = rollout_sampling(self.config, self.tokenizer, seed)
         t0 = time.perf_counter()
         rollouts, stats = generate(
-            self.workers, batch.prompt_ids, sampling, min_version=version, max_retries=self.config.rollout.max_retries
+            self.workers,
+            batch.prompt_ids,
+            sampling,
+            snapshot,
+            max_retries=self.config.rollout.max_retries,
+            delay_s=self.rollout_delay(seed) if self.rollout_delay else 0.0,
         )
         rollout_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -259,9 +281,9 @@ class _Run:
         timing = {"rollout": rollout_seconds, "reward": time.perf_counter() - t1, **stats}
         return scored, timing
 
-    def collect(self, seed: int, version: int) -> tuple[Scored, dict[str, float]]:
-        """The step's scored batch (with DAPO refills) and its `rollout/`/`perf/` metrics."""
-        scored, timing = self._generate_scored(seed, version)
+    def collect(self, seed: int, snapshot: ParamsSnapshot) -> tuple[Scored, dict[str, float]]:
+        """A step's scored batch (with DAPO refills), sampled with `snapshot`'s params, and its metrics."""
+        scored, timing = self._generate_scored(seed, snapshot)
         totals = dict(timing)
         metrics: dict[str, float] = {}
         if self.config.algo.dynamic_sampling:
@@ -275,7 +297,7 @@ class _Run:
                 if kept >= wanted or draws >= self.config.algo.max_refill_draws:
                     break
                 draws += 1
-                scored, timing = self._generate_scored((seed + 7919 * draws) % 2**32, version)
+                scored, timing = self._generate_scored((seed + 7919 * draws) % 2**32, snapshot)
                 for k, v in timing.items():
                     totals[k] = totals[k] + v if k != "load_seconds" else max(totals[k], v)
             short = max(wanted - kept, 0)
@@ -318,10 +340,14 @@ class _Run:
                 ray.kill(actor, no_restart=True)
 
 
-def run(config: ConfigDict) -> dict[str, float]:
-    """Trains `config` (paradigm "rl") with the sync loop to `config.train.steps`, resuming if it can.
+def run(config: ConfigDict, *, rollout_delay: Callable[[int], float] | None = None) -> dict[str, float]:
+    """Trains `config` (paradigm "rl") to `config.train.steps`, sync or async, resuming if it can.
 
     Starts a local Ray instance (or connects to `ray.address`) unless this process is already connected.
+
+    Args:
+        config: the RL config.
+        rollout_delay: test hook: seconds a rollout worker sleeps before a generation, by its sample seed.
 
     Returns:
         The last step's metrics merged with the final evaluation's (when `eval.during_training`).
@@ -335,34 +361,55 @@ def run(config: ConfigDict) -> dict[str, float]:
     validate(config, num_devices=jax.device_count())
     started = start_ray(config.ray)
     try:
-        return _train(config)
+        return _train(config, rollout_delay)
     finally:
         if started:
             ray.shutdown()
 
 
-def _train(config: ConfigDict) -> dict[str, float]:
+def _checkpoint_due(config: ConfigDict, step: int) -> bool:
+    every = config.checkpoint.every_steps or config.train.steps
+    return step % every == 0 or step == config.train.steps
+
+
+def _train(config: ConfigDict, rollout_delay: Callable[[int], float] | None) -> dict[str, float]:
     wall0 = time.perf_counter()
-    driver = _Run(config)
+    driver = _Run(config, rollout_delay)
+    pipeline = None
     try:
         restored = ray.get(driver.trainer.start.remote())
         log.info("trainer ready after %.1f s", time.perf_counter() - wall0)
         start, version = restored["step"], restored["policy_version"]
+        in_flight = []
         if restored["data_state"] is not None:
-            driver.prompts.set_state(restored["data_state"])
+            prompts_state, in_flight = restore_state(restored["data_state"])
+            driver.prompts.set_state(prompts_state)
         rng = (
             jax.random.key(config.seed)
             if restored["rng"] is None
             else jax.random.wrap_key_data(jnp.asarray(restored["rng"], jnp.uint32))
         )
+        staleness = config.train.max_staleness
         log.info(
-            "RL %s: %s, old log-probabilities %s; starting at step %d (policy version %d)",
+            "RL %s: %s, %s, old log-probabilities %s, off-policy correction %s; starting at step %d (version %d)",
             config.run_dir,
             config.algo.name,
+            f"async (train.max_staleness={staleness})" if staleness else "sync",
             "recomputed by the trainer" if config.train.recompute_old_logprobs else "taken from the engine",
+            effective_off_policy(config),
             start,
             version,
         )
+        pipeline = RolloutPipeline(
+            driver.collect,
+            driver.prompts.get_state,
+            first_step=start + 1,
+            last_step=config.train.steps,
+            max_staleness=staleness,
+            rng=rng,
+            restored=in_flight,
+        )
+        pipeline.publish(version, latest_snapshot(driver.store))
         evaluate = config.eval.during_training
         tracker = Tracker(
             config.run_dir,
@@ -384,41 +431,47 @@ def _train(config: ConfigDict) -> dict[str, float]:
                 print(f"held-out accuracy before training: {before['eval/accuracy']:.4f}", flush=True)
             for step in range(start + 1, config.train.steps + 1):
                 t0 = time.perf_counter()
-                rng, key = jax.random.split(rng)
-                sample_seed, shuffle_seed = _step_seeds(key)
-                scored, metrics = driver.collect(sample_seed, version)
+                batch, waited = pipeline.take(step)
+                scored = batch.scored
+                metrics = dict(batch.metrics)
                 metrics.update(
                     rollout_metrics(
                         scored, success_threshold=config.eval.success_threshold, correctness_reward=config.eval.reward
                     )
                 )
+                rollouts = scored.rollouts
+                metrics.update(staleness_metrics(rollouts.policy_version, rollouts.completion_mask, version, staleness))
+                metrics["perf/trainer_wait_seconds"] = waited
                 t1 = time.perf_counter()
                 metrics.update(
                     ray.get(
                         driver.trainer.train.remote(
-                            scored.rollouts,
-                            scored.rewards,
-                            step=step,
-                            shuffle_seed=shuffle_seed,
-                            rng=np.asarray(jax.random.key_data(rng)),
-                            data_state=driver.prompts.get_state(),
+                            rollouts, scored.rewards, step=step, shuffle_seed=batch.shuffle_seed
                         )
                     )
                 )
                 version = int(metrics["train/policy_version"])
+                pipeline.publish(version, latest_snapshot(driver.store))
                 metrics["perf/train_seconds"] = time.perf_counter() - t1
-                metrics["perf/step_seconds"] = time.perf_counter() - t0
+                if _checkpoint_due(config, step):
+                    t2 = time.perf_counter()
+                    rng_after, data_state = pipeline.checkpoint_state(step)
+                    ray.get(driver.trainer.save.remote(step, rng_after, data_state, force=step == config.train.steps))
+                    metrics["perf/checkpoint_seconds"] = time.perf_counter() - t2
                 if evaluate and (
                     step == config.train.steps or (config.train.eval_every and step % config.train.eval_every == 0)
                 ):
                     after = driver.evaluate(step)
                     metrics.update(after)
+                metrics["perf/step_seconds"] = time.perf_counter() - t0
                 if step % config.train.log_every == 0 or step == config.train.steps:
                     tracker.log(step, metrics)
                 last = metrics
         finally:
             tracker.close()
     finally:
+        if pipeline is not None:
+            pipeline.close()
         driver.close()
     if before is not None and after is not None:
         print(

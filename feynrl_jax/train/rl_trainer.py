@@ -1,29 +1,35 @@
 """The RL trainer: from scored rollouts to `ppo_epochs x mini_batches` optimizer updates, on the training mesh.
 
-`RLTrainer` is plain Python (no Ray): `actors.TrainerActor` runs it in its own process. One `train` call is the
-trainer's half of a sync RL step:
+`RLTrainer` is plain Python (no Ray): `feynrl_jax.orchestration.actors.TrainerActor` runs it in its own process.
+The config is unpacked once, into `RLSettings`; below that nothing reads it. One `train` call is the trainer's
+half of an RL step (sync or async alike), in named steps:
 
-1. the ratio's denominator `old_logprobs`: with `train.recompute_old_logprobs`, the current policy's
-   log-probabilities of the sampled tokens, else the engine's behaviour log-probabilities. With one update per
-   step (`ppo_epochs = mini_batches = 1`) the update's own forward pass gives them (the params are still the
-   pre-update ones), so no separate pass runs; with several updates a no-grad forward pass computes them first.
-   Either way their mismatch with the engine's is measured (`rollout/logprob_mismatch_kl`, a k1 estimate of
-   KL(behaviour || trainer) over completion tokens, `_k3` and `rollout/logprob_mismatch_max_abs`), with the
-   policy's entropy;
-2. the reference model's log-probabilities when the loss has a KL term (`kl_coef > 0`);
-3. advantages with the algorithm's estimator: sequence estimators from the rewards and groups; PPO's GAE from
-   per-token rewards (the sequence reward on the last token) and the critic's values;
-4. `ppo_epochs` passes over the batch, each in `mini_batches` shuffled mini-batches (one optimizer update
-   each); PPO updates its critic on the same mini-batches;
-5. a checkpoint when due (train state, critic, data-iterator state, RNG, policy version).
+1. `layout`: the batch's rows, and where the forward passes run (one row per sample, or the shared-prefix
+   layout of `feynrl_jax.train.shared_prefix` when it is cheaper: one row per group, the prompt once and its
+   `n` completions behind it, with the same log-probabilities and gradients);
+2. `build_rl_batch`: the ratio's denominator `old_logprobs` (with `train.recompute_old_logprobs`, the
+   policy's log-probabilities at the start of the step, i.e. the proximal policy of the decoupled objective;
+   with one update per step the update's own forward pass gives them, with several a no-grad pass runs
+   first; else the engine's behaviour log-probabilities), the reference model's log-probabilities when the
+   loss has a KL term, and advantages with the algorithm's estimator (PPO: GAE from the critic's values);
+3. `update`: `ppo_epochs` passes over the batch, each in `mini_batches` shuffled mini-batches (one optimizer
+   update each); PPO updates its critic on the same mini-batches; metrics are combined by their own type.
 
-Forward and backward passes run on the shared-prefix layout when it is cheaper (`train.shared_prefix`,
-`feynrl_jax.train.shared_prefix`): one row per group, the prompt once and its `n` completions behind it, with the
-same log-probabilities and gradients as one row per sample. Mini-batches then shuffle whole groups. Advantages,
-GAE and the metrics are computed in the row layout either way.
+Every step measures the behaviour policy against the proximal one on completion tokens:
+`rollout/logprob_mismatch_kl` (k1 estimate of KL(behaviour || proximal)), `_k3`, `_max_abs` and
+`rollout/behavior_ess` (effective sample size of the weights pi_prox / pi_behaviour). In a sync run they measure
+the engine's numerical mismatch; in an async run (`train.max_staleness >= 1`) the staleness too.
+
+Off-policy correction (`algo.off_policy`, `losses/off_policy.py`): "tis" and "decoupled" multiply each token's
+policy loss by `min(pi_prox / pi_behaviour, algo.tis_cap)` around a trust region on `pi / pi_prox`; "decoupled"
+with `algo.tis_cap = 0` leaves the weight untruncated.
+
+`save` checkpoints the policy (and critic) state with the driver's PRNG key and data state (in-flight batches
+included, see `feynrl_jax.orchestration.pipeline`).
 
 Departure from some references: PPO advantages are not whitened (GAE on a 0/1 reward is already bounded), and
-the critic is trained separately from the actor (the actor's loss runs with `vf_coef = 0`).
+the critic is a separate model with its own AdamW (the actor's loss runs with `vf_coef = 0`; the critic's loss is
+scaled by the algorithm's `vf_coef`, which matters through gradient clipping and AdamW's eps only).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,36 +47,47 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from feynrl_jax.checkpoints.train_state import RunProgress, TrainCheckpointer
-from feynrl_jax.config.derived import algorithm_hyperparameters, batch_plan
-from feynrl_jax.losses import ALGORITHMS, TrainBatch, compute_metrics
+from feynrl_jax.config.derived import BatchPlan, algorithm_hyperparameters, batch_plan, effective_off_policy
+from feynrl_jax.losses import ALGORITHMS, Algorithm, TrainBatch, compute_metrics
 from feynrl_jax.losses.advantages import gae
+from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
 from feynrl_jax.sharding import batch_size_multiple
 from feynrl_jax.train import run_setup
 from feynrl_jax.train.critic import critic_params_shape, critic_values, init_critic_params, make_critic_train_step
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
+from feynrl_jax.train.loss_parts import logprob_diagnostic_metrics, old_logprobs_from_current, with_logprob_diagnostics
 from feynrl_jax.train.nonfinite import NonFiniteGuard
-from feynrl_jax.train.rl_batch import rollouts_to_batch, sequence_reward_at_last_token
+from feynrl_jax.train.rl_batch import rollouts_to_batch, scatter_completion, sequence_reward_at_last_token
 from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_prefix_rows
 from feynrl_jax.train.state import TrainState, create_train_state
-from feynrl_jax.train.step import logprob_diagnostic_metrics, make_train_step
+from feynrl_jax.train.step import ParamsSpec, make_train_step, model_logprob_fn
 from feynrl_jax.train.supervised_loop import abstract_train_state
 
 log = logging.getLogger(__name__)
 
 
-def loss_hyperparameters(config: ConfigDict) -> dict[str, Any]:
-    """The RL loss's keyword arguments from `config.algo`, with the run-dependent defaults filled in.
+def algorithm_values(config: ConfigDict) -> dict[str, Any]:
+    """Every hyperparameter of the algorithm's loss from `config.algo` (registry defaults, then overrides).
 
-    Dr. GRPO's `seq_mean_token_sum` normaliser `max_tokens` becomes `rollout.max_new_tokens` unless set; a
-    critic-based loss gets `vf_coef = 0` (the critic is trained by its own step).
+    Dr. GRPO's `seq_mean_token_sum` normaliser `max_tokens` becomes `rollout.max_new_tokens` unless set; the
+    off-policy keywords `tis_cap` and `decoupled` come from `algo.off_policy` and `algo.tis_cap`.
     """
-    algorithm = ALGORITHMS[config.algo.name]
-    values = algorithm_hyperparameters(config, algorithm.hyperparameters)
+    values = algorithm_hyperparameters(config, ALGORITHMS[config.algo.name].hyperparameters)
     if values.get("loss_agg") == "seq_mean_token_sum" and "max_tokens" not in config.algo.hparams:
         values["max_tokens"] = float(config.rollout.max_new_tokens)
-    if algorithm.needs_critic:
+    mode, cap = effective_off_policy(config), float(config.algo.tis_cap)
+    values["decoupled"] = mode == "decoupled"
+    values["tis_cap"] = cap if mode != "none" and cap > 0 else None
+    return values
+
+
+def loss_hyperparameters(config: ConfigDict) -> dict[str, Any]:
+    """The actor loss's keyword arguments: `algorithm_values`, with `vf_coef = 0` for a critic-based loss (the
+    critic is trained by its own step, `RLSettings.value_clip` and `vf_coef`)."""
+    values = algorithm_values(config)
+    if ALGORITHMS[config.algo.name].needs_critic:
         values["vf_coef"] = 0.0
     return values
 
@@ -86,24 +104,91 @@ def uses_reference(config: ConfigDict) -> bool:
     return kl_coef > 0.0 or registered
 
 
-_COUNTERS = ("/step", "_step", "nonfinite_streak", "nonfinite_total", "learning_rate")
+@dataclasses.dataclass(frozen=True)
+class RLSettings:
+    """What the RL trainer reads from a validated config, unpacked once (`rl_settings`).
+
+    Attributes:
+        algorithm: the registry record.
+        loss_hyperparameters: the actor loss's keyword arguments (`loss_hyperparameters`).
+        off_policy: the effective `algo.off_policy`.
+        plan: the batch arithmetic.
+        steps: `train.steps`.
+        ppo_epochs, mini_batches: passes over a step's batch, and updates per pass.
+        recompute_old: `train.recompute_old_logprobs`.
+        separate_old_pass: pi_old needs a no-grad pass of its own (several updates per step); with one
+            update, the update's own pass runs on the pre-update params and gives it.
+        temperature: the rollouts' sampling temperature (1 for greedy).
+        seq_len: `data.max_seq_len`, the row width of the row layout.
+        prompt_width: `data.max_prompt_len`.
+        group_size: `rollout.n_samples`.
+        completion_width: a group's completions at most (`n_samples * max_new_tokens`).
+        shared_prefix: `train.shared_prefix` ("auto", "on", "off").
+        reference: `algo.reference` ("none", "initial" or a model folder).
+        uses_reference: whether the reference model runs (`uses_reference`).
+        gae_gamma, gae_lambda: PPO's GAE.
+        critic_lr: the critic's learning rate.
+        value_clip, vf_coef: the critic's value-loss clip and scale (the algorithm's, with overrides).
+        seed: `seed` (random init).
+    """
+
+    algorithm: Algorithm
+    loss_hyperparameters: dict[str, Any]
+    off_policy: str
+    plan: BatchPlan
+    steps: int
+    ppo_epochs: int
+    mini_batches: int
+    recompute_old: bool
+    separate_old_pass: bool
+    temperature: float
+    seq_len: int
+    prompt_width: int
+    group_size: int
+    completion_width: int
+    shared_prefix: str
+    reference: str
+    uses_reference: bool
+    gae_gamma: float
+    gae_lambda: float
+    critic_lr: float
+    value_clip: float | None
+    vf_coef: float
+    seed: int
 
 
-def mean_of_updates(records: list[dict[str, float]]) -> dict[str, float]:
-    """Combines per-update metrics over a step's updates: counters (step, non-finite counts, learning rate) take
-    the last update's value, `*_max` keys the max, `*_min` the min, the rest the mean."""
-    out: dict[str, float] = {}
-    for key in records[0]:
-        values = [r[key] for r in records if key in r]
-        if key.endswith(_COUNTERS):
-            out[key] = float(values[-1])
-        elif key.endswith("_max"):
-            out[key] = float(np.max(values))
-        elif key.endswith("_min"):
-            out[key] = float(np.min(values))
-        else:
-            out[key] = float(np.mean(values))
-    return out
+def rl_settings(config: ConfigDict) -> RLSettings:
+    """Unpacks a validated RL config into `RLSettings` (the one place the trainer reads `config.train`,
+    `config.algo` and `config.rollout`)."""
+    train, rollout, algo = config.train, config.rollout, config.algo
+    algorithm = ALGORITHMS[algo.name]
+    everything = algorithm_values(config)
+    recompute = train.recompute_old_logprobs
+    return RLSettings(
+        algorithm=algorithm,
+        loss_hyperparameters=loss_hyperparameters(config),
+        off_policy=effective_off_policy(config),
+        plan=batch_plan(config),
+        steps=train.steps,
+        ppo_epochs=train.ppo_epochs,
+        mini_batches=train.mini_batches,
+        recompute_old=recompute,
+        separate_old_pass=recompute and train.ppo_epochs * train.mini_batches > 1,
+        temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
+        seq_len=config.data.max_seq_len,
+        prompt_width=config.data.max_prompt_len,
+        group_size=rollout.n_samples,
+        completion_width=rollout.n_samples * rollout.max_new_tokens,
+        shared_prefix=train.shared_prefix,
+        reference=algo.reference,
+        uses_reference=uses_reference(config),
+        gae_gamma=algo.gae_gamma,
+        gae_lambda=algo.gae_lambda,
+        critic_lr=algo.critic_lr,
+        value_clip=everything.get("value_clip"),
+        vf_coef=float(everything.get("vf_coef", 1.0)),
+        seed=config.seed,
+    )
 
 
 def _host(metrics: dict[str, Any]) -> dict[str, float]:
@@ -119,21 +204,133 @@ def _rows(batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
     return jax.tree.map(lambda x: x[rows], batch)
 
 
-def _shared_layout_batch(batch: TrainBatch, shared: SharedPrefixRows) -> TrainBatch:
-    """A row-layout RL batch moved to the shared-prefix layout (every per-token field packed)."""
-    pack = lambda x: None if x is None else shared.pack(x)  # noqa: E731
-    return TrainBatch(
-        tokens=shared.tokens,
-        positions=shared.positions,
-        segment_ids=shared.segment_ids,
-        loss_mask=pack(batch.loss_mask),
-        advantages=pack(batch.advantages),
-        old_logprobs=pack(batch.old_logprobs),
-        ref_logprobs=pack(batch.ref_logprobs),
-        behavior_logprobs=pack(batch.behavior_logprobs),
-        values=pack(batch.values),
-        returns=pack(batch.returns),
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One step's rows, and the layout its forward and backward passes run on.
+
+    Attributes:
+        rows: the row-layout batch (one row per sample, `[N, seq_len]`): tokens, mask, behaviour
+            log-probabilities; the other fields are filled by `build_rl_batch`.
+        shared: the shared-prefix rows (one row per group), or None to train on `rows`.
+        inputs: `(tokens, positions, segment_ids)` of the training layout, placed on the mesh.
+    """
+
+    rows: TrainBatch
+    shared: SharedPrefixRows | None
+    inputs: tuple[jax.Array, jax.Array, jax.Array]
+
+    def to_rows(self, per_token: jax.Array) -> np.ndarray:
+        """A forward pass's `[rows, width]` output of the training layout, as `[N, seq_len]` float32."""
+        out = np.asarray(per_token, np.float32)
+        return out if self.shared is None else self.shared.unpack(out, self.rows.tokens.shape[1])
+
+    def training(self, batch: TrainBatch) -> TrainBatch:
+        """A row-layout batch moved to the training layout (every per-token field packed when shared)."""
+        if self.shared is None:
+            return batch
+        shared = self.shared
+        pack = lambda x: None if x is None else shared.pack(x)  # noqa: E731
+        return TrainBatch(
+            tokens=shared.tokens,
+            positions=shared.positions,
+            segment_ids=shared.segment_ids,
+            loss_mask=pack(batch.loss_mask),
+            advantages=pack(batch.advantages),
+            old_logprobs=pack(batch.old_logprobs),
+            ref_logprobs=pack(batch.ref_logprobs),
+            behavior_logprobs=pack(batch.behavior_logprobs),
+            values=pack(batch.values),
+            returns=pack(batch.returns),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardPasses:
+    """The no-grad passes that fill an RL batch; each takes the placed `(tokens, positions, segment_ids)` of
+    the training layout, and is None when the step does not run it.
+
+    Attributes:
+        proximal: `-> (logprobs, entropy)` of the params at the start of the step (pi_old when it needs a pass
+            of its own).
+        reference: `-> logprobs` of the reference model.
+        values: `-> values` of the critic.
+    """
+
+    proximal: Callable[..., tuple[jax.Array, jax.Array]] | None
+    reference: Callable[..., jax.Array] | None
+    values: Callable[..., jax.Array] | None
+
+
+def sequence_advantages(algorithm: Algorithm, rollouts: Rollouts, rewards: np.ndarray) -> np.ndarray:
+    """`[N, C]` completion-aligned advantages of a sequence-level estimator (GRPO-style groups, RLOO, ...)."""
+    out = algorithm.advantage_fn(
+        jnp.asarray(rewards, jnp.float32), jnp.asarray(rollouts.group_id), jnp.asarray(rollouts.completion_mask)
     )
+    return np.asarray(out, np.float32)
+
+
+def build_rl_batch(
+    rollouts: Rollouts,
+    rewards: np.ndarray,
+    layout: Layout,
+    passes: ForwardPasses,
+    settings: RLSettings,
+) -> tuple[TrainBatch, dict[str, float]]:
+    """The `TrainBatch` of one RL step, in the training layout, and its `rollout/` and `train/` metrics.
+
+    Runs the passes `passes` holds (proximal policy, reference, critic), computes advantages with the
+    algorithm's estimator (GAE on the critic's values for PPO, from the sequence reward on the last token) and
+    sets `old_logprobs` (the proximal pass's, or the behaviour log-probabilities; with one update per step and
+    `recompute_old`, the train step replaces them by its own pass's).
+
+    Args:
+        rollouts: `[N]` sampled rows.
+        rewards: `[N]` total rewards.
+        layout: the step's `Layout`.
+        passes: the forward passes to run.
+        settings: the trainer's settings.
+
+    Returns:
+        `(batch, metrics)`.
+    """
+    batch, mask = layout.rows, layout.rows.loss_mask
+    metrics = {
+        "rollout/old_logprobs_recomputed": float(settings.recompute_old),
+        "train/shared_prefix": float(layout.shared is not None),
+    }
+    proximal = entropy = None
+    if passes.proximal is not None:
+        proximal, entropy = (layout.to_rows(x) for x in passes.proximal(*layout.inputs))
+    old = proximal * mask if proximal is not None else batch.behavior_logprobs
+    ref = None if passes.reference is None else layout.to_rows(passes.reference(*layout.inputs)) * mask
+    if proximal is not None:
+        # The same metrics the train step reports when its own pass gives pi_old.
+        diagnostics = logprob_diagnostic_metrics(proximal, entropy, dataclasses.replace(batch, ref_logprobs=ref))
+        metrics.update(_host(compute_metrics(diagnostics)))
+    values = returns = None
+    if passes.values is not None:
+        values = layout.to_rows(passes.values(*layout.inputs)) * mask
+        token_rewards = sequence_reward_at_last_token(rewards, rollouts, settings.seq_len)
+        adv, ret = gae(
+            jnp.asarray(token_rewards),
+            jnp.asarray(values),
+            jnp.asarray(mask),
+            jnp.asarray(rollouts.finish_reason == FINISH_STOP),
+            gamma=settings.gae_gamma,
+            lam=settings.gae_lambda,
+        )
+        advantages, returns = np.asarray(adv, np.float32), np.asarray(ret, np.float32)
+        metrics["train/value_mean"] = float(values[mask > 0].mean()) if mask.any() else 0.0
+    else:
+        per_completion = sequence_advantages(settings.algorithm, rollouts, rewards)
+        advantages = scatter_completion(per_completion, rollouts, settings.seq_len)
+    batch = dataclasses.replace(
+        batch, advantages=advantages, old_logprobs=old, ref_logprobs=ref, values=values, returns=returns
+    )
+    valid = advantages[mask > 0]
+    metrics["train/advantage_mean"] = float(valid.mean()) if valid.size else 0.0
+    metrics["train/advantage_abs_mean"] = float(np.abs(valid).mean()) if valid.size else 0.0
+    return layout.training(batch), metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +340,8 @@ class Restored:
     Attributes:
         step: RL steps completed.
         policy_version: version of the params now held (and published).
-        rng: the driver's PRNG key data (`uint32` array) after `step` steps, or None for a fresh run.
-        data_state: the prompt iterator's state after `step` steps, or None for a fresh run.
+        rng: the driver's PRNG key data (`uint32` array) saved with `step`, or None for a fresh run.
+        data_state: the driver's data state saved with `step` (prompt iterator, in-flight batches), or None.
     """
 
     step: int
@@ -154,48 +351,48 @@ class Restored:
 
 
 class RLTrainer:
-    """The trainer of a sync RL run: policy (and critic) state, reference model, checkpoints, evaluation.
+    """The trainer of an RL run: policy (and critic) state, reference model, checkpoints, evaluation.
 
     Args:
-        config: a validated RL config (the trainer unpacks it here; nothing below sees it).
+        config: a validated RL config (unpacked here into `RLSettings`; the run-set-up helpers read its model,
+            mesh, optimizer, checkpoint and eval sections).
     """
 
     def __init__(self, config: ConfigDict):
         self.config = config
-        self.algorithm = ALGORITHMS[config.algo.name]
+        self.settings = settings = rl_settings(config)
+        self.algorithm = settings.algorithm
+        self.plan = settings.plan
         self.source = run_setup.resolve_model_source(config.model, config.run_dir)
         self.tokenizer = run_setup.load_run_tokenizer(self.source)
         self.model_config: ModelConfig = run_setup.model_config(config.model, self.source, self.tokenizer)
         self.mesh, self.rules = run_setup.build_mesh(config.mesh)
-        self.plan = batch_plan(config)
-        self.seq_len = config.data.max_seq_len
         self.pad_id = self.model_config.pad_token_id if self.model_config.pad_token_id is not None else 0
-        self.temperature = config.rollout.temperature if config.rollout.temperature > 0 else 1.0
-        self.recompute_old = config.train.recompute_old_logprobs
-        self.total_updates = config.train.steps * config.train.ppo_epochs * config.train.mini_batches
-        # One update per step: its own forward pass runs on the pre-update params, so it gives pi_old (and the
-        # mismatch and entropy metrics) without a separate pass.
-        self.separate_old_pass = self.recompute_old and config.train.ppo_epochs * config.train.mini_batches > 1
-        self.prompt_width = config.data.max_prompt_len
-        self.group_size = config.rollout.n_samples
-        self.completion_width = self.group_size * config.rollout.max_new_tokens  # a group's completions, at most
-        self.shared_prefix = self._choose_shared_prefix(config)
-        first_column = self.prompt_width if self.shared_prefix else 1
+        self.total_updates = settings.steps * settings.ppo_epochs * settings.mini_batches
+        self.shared_prefix = self._choose_shared_prefix()
+        first_column = settings.prompt_width if self.shared_prefix else 1
         # Rows per forward pass: a micro-batch's samples, or its groups in the shared-prefix layout.
-        chunk_rows = self.plan.micro_batch_size // (self.group_size if self.shared_prefix else 1)
+        chunk_rows = self.plan.micro_batch_size // (settings.group_size if self.shared_prefix else 1)
         self.optimizer, schedule = run_setup.build_optimizer(config.optim, self.total_updates)
+        loss = self.algorithm.make_loss(**settings.loss_hyperparameters)
+        if settings.recompute_old and not settings.separate_old_pass:
+            loss = old_logprobs_from_current(loss)
+        if not settings.separate_old_pass:
+            loss = with_logprob_diagnostics(loss, pass_entropy=self.algorithm.uses_entropy)
+        predict = model_logprob_fn(
+            self.model_config,
+            temperature=settings.temperature,
+            first_column=first_column,
+            with_entropy=self.algorithm.uses_entropy or not settings.separate_old_pass,
+        )
         self.train_step = make_train_step(
-            self.algorithm.make_loss(**loss_hyperparameters(config)),
+            loss,
             self.optimizer,
             self.mesh,
             self.rules,
-            config=self.model_config,
+            predict=predict,
+            params_spec=ParamsSpec.of_model(self.model_config),
             grad_accum=self.plan.grad_accum_steps,
-            with_entropy=self.algorithm.uses_entropy,
-            temperature=self.temperature,
-            logprob_first_column=first_column,
-            old_logprobs_from_current=self.recompute_old and not self.separate_old_pass,
-            logprob_diagnostics=not self.separate_old_pass,
             learning_rate_fn=schedule,
         )
         self.logprobs = make_logprob_fn(
@@ -203,7 +400,7 @@ class RLTrainer:
             self.mesh,
             self.rules,
             chunk_rows=chunk_rows,
-            temperature=self.temperature,
+            temperature=settings.temperature,
             with_entropy=True,
             first_column=first_column,
         )
@@ -211,22 +408,22 @@ class RLTrainer:
         if self.algorithm.needs_critic:
             critic_optim = config.optim.copy_and_resolve_references()
             with critic_optim.unlocked():
-                critic_optim.lr = config.algo.critic_lr
+                critic_optim.lr = settings.critic_lr
             self.critic_optimizer, _ = run_setup.build_optimizer(critic_optim, self.total_updates)
-            value_clip = self.algorithm.hyperparameters.get("value_clip")
             self.critic_step = make_critic_train_step(
                 self.model_config,
                 self.critic_optimizer,
                 self.mesh,
                 self.rules,
-                value_clip=value_clip,
+                value_clip=settings.value_clip,
+                vf_coef=settings.vf_coef,
                 grad_accum=self.plan.grad_accum_steps,
             )
             self._values = jax.jit(functools.partial(critic_values, config=self.model_config))
         self.guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite)
         self.checkpointer = TrainCheckpointer(
             config.run_dir,
-            save_every=config.checkpoint.every_steps or config.train.steps,
+            save_every=config.checkpoint.every_steps or settings.steps,
             keep=config.checkpoint.keep,
             async_save=config.checkpoint.async_save,
         )
@@ -236,7 +433,7 @@ class RLTrainer:
         self.policy_version = 0
         self.evaluator = None
 
-    def _choose_shared_prefix(self, config: ConfigDict) -> bool:
+    def _choose_shared_prefix(self) -> bool:
         """Whether forward and backward passes run on the shared-prefix layout (`train.shared_prefix`).
 
         "off" never; "on" always (an error when the batch plan cannot keep groups whole); "auto" when groups
@@ -245,10 +442,11 @@ class RLTrainer:
         Raises:
             ValueError: naming `train.shared_prefix` when it is "on" but the layout cannot be used.
         """
-        mode = config.train.shared_prefix
+        settings = self.settings
+        mode = settings.shared_prefix
         if mode == "off":
             return False
-        n, micro, shards = self.group_size, self.plan.micro_batch_size, batch_size_multiple(self.mesh)
+        n, micro, shards = settings.group_size, self.plan.micro_batch_size, batch_size_multiple(self.mesh)
         why = None
         if n < 2:
             why = "rollout.n_samples is 1, so no two samples share a prompt"
@@ -260,9 +458,9 @@ class RLTrainer:
         elif mode == "auto" and not cheaper_than_rows(
             self.model_config,
             group_size=n,
-            seq_len=self.seq_len,
-            prompt_width=self.prompt_width,
-            completion_width=self.completion_width,
+            seq_len=settings.seq_len,
+            prompt_width=settings.prompt_width,
+            completion_width=settings.completion_width,
         ):
             why = "one row per sample costs fewer FLOPs at these lengths"
         if why is None:
@@ -276,17 +474,17 @@ class RLTrainer:
 
     def _initial_params(self) -> Any:
         return run_setup.load_params(
-            self.model_config, self.source, seed=self.config.seed, shardings=self.train_step.state_shardings.params
+            self.model_config, self.source, seed=self.settings.seed, shardings=self.train_step.state_shardings.params
         )
 
     def _reference_params(self) -> Any:
-        reference = self.config.algo.reference
+        reference = self.settings.reference
         ref_source = run_setup.ModelSource(weights_dir=reference, tokenizer_dir=self.source.tokenizer_dir)
         ref_config = run_setup.model_config(self.config.model, ref_source, self.tokenizer)
         if ref_config != self.model_config:
             raise ValueError(f"config.algo.reference={reference!r} has another architecture than the policy")
         return run_setup.load_params(
-            ref_config, ref_source, seed=self.config.seed, shardings=self.train_step.state_shardings.params
+            ref_config, ref_source, seed=self.settings.seed, shardings=self.train_step.state_shardings.params
         )
 
     def _abstract_state(self) -> dict[str, Any]:
@@ -314,12 +512,11 @@ class RLTrainer:
                 f"run folder {self.config.run_dir} already holds checkpoints (latest step {latest}) and "
                 "checkpoint.resume is False; pass --resume to continue it or choose another config.run_dir"
             )
-        params = self._initial_params() if latest is None or self.config.algo.reference == "initial" else None
-        if uses_reference(self.config):
+        initial = self.settings.reference == "initial"
+        params = self._initial_params() if latest is None or initial else None
+        if self.settings.uses_reference:
             # A copy: the train step donates the state's buffers, which must not be the reference's.
-            self.reference = (
-                jax.tree.map(jnp.copy, params) if self.config.algo.reference == "initial" else self._reference_params()
-            )
+            self.reference = jax.tree.map(jnp.copy, params) if initial else self._reference_params()
         if latest is None:
             if self.critic_step is not None:
                 self.critic_state = self.critic_step.init_state(init_critic_params(params, self.model_config))
@@ -342,35 +539,75 @@ class RLTrainer:
 
     # One RL step -----------------------------------------------------------------------------------------------
 
-    def _advantages(self, rollouts: Rollouts, rewards: np.ndarray) -> np.ndarray:
-        fn = self.algorithm.advantage_fn
-        out = fn(
-            jnp.asarray(rewards, jnp.float32), jnp.asarray(rollouts.group_id), jnp.asarray(rollouts.completion_mask)
-        )
-        return np.asarray(out, np.float32)
+    def layout(self, rollouts: Rollouts) -> Layout:
+        """The step's row batch and its training layout (`Layout`), inputs placed on the mesh."""
+        settings = self.settings
+        zeros = np.zeros(rollouts.completion_mask.shape, np.float32)
+        rows = rollouts_to_batch(rollouts, zeros, seq_len=settings.seq_len, pad_id=self.pad_id)
+        shared = None
+        if self.shared_prefix:
+            shared = shared_prefix_rows(
+                rollouts,
+                prompt_width=settings.prompt_width,
+                completion_width=settings.completion_width,
+                pad_id=self.pad_id,
+            )
+        source = shared if shared is not None else rows
+        inputs = tuple(self.train_step.place_batch(x) for x in (source.tokens, source.positions, source.segment_ids))
+        return Layout(rows=rows, shared=shared, inputs=inputs)
 
-    def train(
-        self,
-        rollouts: Rollouts,
-        rewards: np.ndarray,
-        *,
-        step: int,
-        shuffle_seed: int,
-        rng: np.ndarray,
-        data_state: Any,
-    ) -> dict[str, float]:
-        """Runs the updates of RL step `step` on `rollouts`, bumps the policy version and checkpoints if due.
+    def passes(self) -> ForwardPasses:
+        """The no-grad passes this run's steps need, bound to the current params."""
+        return ForwardPasses(
+            proximal=functools.partial(self.logprobs, self.state.params) if self.settings.separate_old_pass else None,
+            reference=(None if self.reference is None else (lambda *inputs: self.logprobs(self.reference, *inputs)[0])),
+            values=None if self.critic_step is None else functools.partial(self._values, self.critic_state.params),
+        )
+
+    def update(self, batch: TrainBatch, *, shuffle_seed: int, step: int) -> dict[str, float]:
+        """`ppo_epochs` passes of `mini_batches` shuffled updates over `batch` (and the critic's, for PPO).
+
+        Returns:
+            The updates' metrics combined by type (`combine_updates`), the critic's as `*/critic_*`.
+
+        Raises:
+            NonFiniteError: too many consecutive non-finite updates (`optim.max_consecutive_nonfinite`).
+        """
+        order = np.random.default_rng(shuffle_seed)
+        units = batch.tokens.shape[0]  # samples, or groups in the shared-prefix layout
+        size = units // self.settings.mini_batches
+        records, critic_records = [], []
+        for _ in range(self.settings.ppo_epochs):
+            perm = order.permutation(units)
+            for m in range(self.settings.mini_batches):
+                mini = self.train_step.place_batch(_rows(batch, perm[m * size : (m + 1) * size]))
+                self.state, update_metrics = self.train_step(self.state, mini)
+                update_metrics = jax.device_get(update_metrics)
+                self.guard.check(update_metrics, step)
+                records.append(update_metrics)
+                if self.critic_step is not None:
+                    self.critic_state, critic_metrics = self.critic_step(self.critic_state, mini)
+                    critic_records.append(jax.device_get(critic_metrics))
+        metrics = combine_updates(records)
+        if critic_records:
+            metrics.update(_rename(combine_updates(critic_records), "critic_"))
+        metrics["train/updates"] = float(len(records))
+        return metrics
+
+    def train(self, rollouts: Rollouts, rewards: np.ndarray, *, step: int, shuffle_seed: int) -> dict[str, float]:
+        """RL step `step` on `rollouts`: layout, batch, updates; bumps the policy version.
 
         Args:
             rollouts: `N = train.global_batch_size` sampled rows (groups consecutive).
             rewards: `[N]` total rewards.
             step: the RL step (1-based).
             shuffle_seed: seeds the mini-batch shuffling of this step.
-            rng: the driver's PRNG key data after this step (saved in the checkpoint).
-            data_state: the prompt iterator's state after this step (saved in the checkpoint).
 
         Returns:
-            `train/`, `loss/`, `rollout/` (mismatch, KL) and `perf/` metrics of the step.
+            `train/`, `loss/`, `rollout/` (mismatch, KL, ESS) and `perf/` metrics of the step.
+
+        Raises:
+            ValueError: the batch does not hold `train.global_batch_size` rows.
         """
         t0 = time.perf_counter()
         n = rollouts.prompt_ids.shape[0]
@@ -378,108 +615,30 @@ class RLTrainer:
             raise ValueError(
                 f"step {step}: got {n} rollout rows, train.global_batch_size is {self.plan.global_batch_size}"
             )
-        rewards = np.asarray(rewards, np.float32)
-        batch = rollouts_to_batch(
-            rollouts, np.zeros(rollouts.completion_mask.shape, np.float32), seq_len=self.seq_len, pad_id=self.pad_id
-        )
-        shared = None
-        if self.shared_prefix:
-            shared = shared_prefix_rows(
-                rollouts,
-                prompt_width=self.prompt_width,
-                completion_width=self.completion_width,
-                pad_id=self.pad_id,
-            )
-        # Forward passes run on the training layout; their per-token outputs come back to the row layout.
-        inputs = shared if shared is not None else batch
-        placed = [self.train_step.place_batch(x) for x in (inputs.tokens, inputs.positions, inputs.segment_ids)]
-        to_rows = (
-            (lambda x: np.asarray(x, np.float32))
-            if shared is None
-            else (lambda x: shared.unpack(np.asarray(x, np.float32), self.seq_len))
-        )
-        mask = batch.loss_mask
-        metrics = {
-            "rollout/old_logprobs_recomputed": float(self.recompute_old),
-            "train/shared_prefix": float(shared is not None),
-        }
-        lp = entropy = None
-        if self.separate_old_pass:
-            lp, entropy = (to_rows(x) for x in self.logprobs(self.state.params, *placed))
-        # With one update, the train step replaces `old` by its own log-probabilities when recomputing.
-        old = lp * mask if lp is not None else batch.behavior_logprobs
-        ref = None
-        if self.reference is not None:
-            ref = to_rows(self.logprobs(self.reference, *placed)[0]) * mask
-        if lp is not None:
-            # The same metrics the train step reports when its own pass gives pi_old.
-            diagnostics = logprob_diagnostic_metrics(lp, entropy, dataclasses.replace(batch, ref_logprobs=ref))
-            metrics.update(_host(compute_metrics(diagnostics)))
-        values = returns = None
-        if self.critic_step is not None:
-            values = to_rows(self._values(self.critic_state.params, *placed)) * mask
-            token_rewards = sequence_reward_at_last_token(rewards, rollouts, self.seq_len)
-            done = jnp.asarray(rollouts.finish_reason == FINISH_STOP)
-            adv, ret = gae(
-                jnp.asarray(token_rewards),
-                jnp.asarray(values),
-                jnp.asarray(mask),
-                done,
-                gamma=self.config.algo.gae_gamma,
-                lam=self.config.algo.gae_lambda,
-            )
-            advantages, returns = np.asarray(adv, np.float32), np.asarray(ret, np.float32)
-            metrics["train/value_mean"] = float(values[mask > 0].mean()) if mask.any() else 0.0
-        else:
-            advantages = rollouts_to_batch(
-                rollouts, self._advantages(rollouts, rewards), seq_len=self.seq_len, pad_id=self.pad_id
-            ).advantages
-        batch = dataclasses.replace(
-            batch, advantages=advantages, old_logprobs=old, ref_logprobs=ref, values=values, returns=returns
-        )
-        valid_adv = advantages[mask > 0]
-        metrics["train/advantage_mean"] = float(valid_adv.mean()) if valid_adv.size else 0.0
-        metrics["train/advantage_abs_mean"] = float(np.abs(valid_adv).mean()) if valid_adv.size else 0.0
-        sample_tokens = float((batch.segment_ids > 0).sum())
-        if shared is not None:
-            batch = _shared_layout_batch(batch, shared)
+        layout = self.layout(rollouts)
+        batch, metrics = build_rl_batch(rollouts, np.asarray(rewards, np.float32), layout, self.passes(), self.settings)
+        sample_tokens = float((layout.rows.segment_ids > 0).sum())
         prep_seconds = time.perf_counter() - t0
-
         t1 = time.perf_counter()
-        order = np.random.default_rng(shuffle_seed)
-        units = batch.tokens.shape[0]  # samples, or groups in the shared-prefix layout
-        size = units // self.config.train.mini_batches
-        records, critic_records = [], []
-        for _ in range(self.config.train.ppo_epochs):
-            perm = order.permutation(units)
-            for m in range(self.config.train.mini_batches):
-                mini = self.train_step.place_batch(_rows(batch, perm[m * size : (m + 1) * size]))
-                self.state, update_metrics = self.train_step(self.state, mini)
-                update_metrics = _host(update_metrics)
-                self.guard.check(update_metrics, step)
-                records.append(update_metrics)
-                if self.critic_step is not None:
-                    self.critic_state, critic_metrics = self.critic_step(self.critic_state, mini)
-                    critic_records.append(_rename(_host(critic_metrics), "critic_"))
+        metrics.update(self.update(batch, shuffle_seed=shuffle_seed, step=step))
         train_seconds = time.perf_counter() - t1
-        metrics.update(mean_of_updates(records))
-        if critic_records:
-            metrics.update(mean_of_updates(critic_records))
         self.policy_version += 1
-        tokens = sample_tokens * self.config.train.ppo_epochs
+        tokens = sample_tokens * self.settings.ppo_epochs
         metrics.update(
             {
                 "train/policy_version": float(self.policy_version),
-                "train/updates": float(len(records)),
                 "perf/train_prep_seconds": prep_seconds,
                 "perf/train_update_seconds": train_seconds,
                 "perf/train_tokens_per_second": tokens / max(train_seconds, 1e-9),
             }
         )
-        self._save(step, rng, data_state, force=step == self.config.train.steps)
         return metrics
 
-    def _save(self, step: int, rng: np.ndarray, data_state: Any, *, force: bool) -> None:
+    def save(self, step: int, rng: np.ndarray, data_state: Any, *, force: bool) -> bool:
+        """Checkpoints the policy (and critic) state after `step` with the driver's `rng` and `data_state`.
+
+        Saves when `step` is a multiple of `checkpoint.every_steps` (or `force`); returns whether it did.
+        """
         tree = {"policy": self.state}
         if self.critic_state is not None:
             tree["critic"] = self.critic_state
@@ -490,7 +649,7 @@ class RLTrainer:
             policy_version=self.policy_version,
             config=run_setup.config_dict(self.config),
         )
-        self.checkpointer.save(tree, progress, force=force)
+        return self.checkpointer.save(tree, progress, force=force)
 
     # Evaluation and shutdown -----------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Built-in rewards (registered names, imported lazily): ``math_verify`` (math-verify answer verification),
 ``gsm8k`` (last ``####`` number, exact), ``reasoning_gym`` (the task's own scorer), ``format`` (answer tags),
-``dapo_overlong`` (DAPO's soft overlong penalty). :class:`RewardScorer` runs a weighted sum of them in worker
+``dapo_overlong`` (DAPO's soft overlong penalty), ``latency`` (waits like a remote judge, scores 0).
+:class:`RewardScorer` runs a weighted sum of them in worker
 processes with a per-call timeout and returns per-reward metrics.
 
 This package imports neither ``feynrl_jax.losses`` nor ``ray`` nor ``torch``.

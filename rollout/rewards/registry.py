@@ -4,7 +4,7 @@ A reward is any callable ``(prompt: str, completion: str, example: dict) -> floa
 system by a string, which is either
 
 - a registered name: a built-in (``"math_verify"``, ``"gsm8k"``, ``"reasoning_gym"``, ``"format"``,
-  ``"dapo_overlong"``) or one added with the :func:`register_reward` decorator, or
+  ``"dapo_overlong"``, ``"latency"``) or one added with the :func:`register_reward` decorator, or
 - an import path ``"package.module:function"`` (``"package.module:Class.attribute"`` also works), imported with
   :mod:`importlib` when resolved.
 
@@ -42,6 +42,7 @@ _BUILTIN_REWARDS: dict[str, str] = {
     "reasoning_gym": f"{_PACKAGE}.reasoning_gym_reward:reasoning_gym_reward",
     "format": f"{_PACKAGE}.format_reward:format_reward",
     "dapo_overlong": f"{_PACKAGE}.overlong_penalty:dapo_overlong_reward",
+    "latency": f"{_PACKAGE}.latency:latency_reward",
 }
 
 # Rewards registered at run time with `register_reward`.
