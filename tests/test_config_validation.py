@@ -210,6 +210,29 @@ BAD_CONFIGS = [
         "tracking.wandb_project",
     ),
     ("zero_ray_cpus", _set("ray.num_cpus", 0), "ray.num_cpus"),
+    ("negative_staleness", _set("train.max_staleness", -1), "train.max_staleness"),
+    ("staleness_outside_rl", _set("train.max_staleness", 1, make=sft_config), "train.max_staleness"),
+    ("unknown_off_policy", _set("algo.off_policy", "is"), "algo.off_policy"),
+    (
+        "tis_without_cap",
+        _with(rl_config, lambda c: setattr(c.algo, "off_policy", "tis"), lambda c: setattr(c.algo, "tis_cap", 0.0)),
+        "algo.tis_cap",
+    ),
+    ("negative_tis_cap", _set("algo.tis_cap", -1.0), "algo.tis_cap"),
+    ("infinite_tis_cap", _set("algo.tis_cap", float("inf")), "algo.tis_cap"),
+    (
+        "off_policy_without_recompute",
+        _with(
+            rl_config,
+            lambda c: setattr(c.train, "max_staleness", 1),
+            lambda c: setattr(c.train, "recompute_old_logprobs", False),
+        ),
+        "train.recompute_old_logprobs",
+    ),
+    ("tis_cap_as_hparam", _with(rl_config, lambda c: set_algorithm_hparams(c, tis_cap=2.0)), "algo.hparams.tis_cap"),
+    ("missing_core", _set("rollout.cpu_cores", (0, 4096)), "rollout.cpu_cores"),
+    ("repeated_core", _set("train.cpu_cores", (0, 0)), "train.cpu_cores"),
+    ("cores_outside_rl", _set("train.cpu_cores", (0,), make=sft_config), "train.cpu_cores"),
     ("empty_run_dir", _set("run_dir", ""), "run_dir"),
 ]
 
@@ -221,6 +244,18 @@ def test_bad_config_names_its_key(build, key):
         validate(config)
     assert excinfo.value.keys == (key,), str(excinfo.value)
     assert key in str(excinfo.value)
+
+
+def test_off_policy_defaults_to_decoupled_when_async():
+    from feynrl_jax.config.derived import effective_off_policy
+
+    config = rl_config()
+    assert effective_off_policy(config) == "none"
+    config.train.max_staleness = 1
+    assert effective_off_policy(config) == "decoupled"
+    config.algo.off_policy = "none"
+    assert effective_off_policy(config) == "none"
+    validate(config)
 
 
 def test_bad_config_table_is_large_and_distinct():

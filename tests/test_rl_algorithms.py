@@ -1,4 +1,6 @@
-"""Integration: every RL algorithm of the registry runs 2 sync steps on Ray with a tiny random model.
+"""Integration: every RL algorithm of the registry runs 2 steps on Ray with a tiny random model, sync
+(`train.max_staleness=0`) and async (`train.max_staleness=1`: step 2 trains on the batch version 0 generated
+while step 1 trained, with the decoupled objective's truncated importance weights).
 
 One Ray session serves the module. Each run is the real loop (`feynrl_jax.orchestration.rl_loop.run`): rollout
 worker actors with native engines, the reward actor, the trainer actor, the parameter store. A persistent
@@ -45,11 +47,13 @@ def tiny_config(algo: str, run_dir: str, **changes):
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async"])
 @pytest.mark.parametrize("algo", RL_ALGORITHMS)
-def test_two_steps_of_every_rl_algorithm(ray_session, tmp_path, algo):
+def test_two_steps_of_every_rl_algorithm(ray_session, tmp_path, algo, staleness):
     from feynrl_jax.orchestration import rl_loop
 
     config = tiny_config(algo, str(tmp_path / algo))
+    config.train.max_staleness = staleness
     if algo == "dapo":
         config.algo.dynamic_sampling = True
         config.algo.max_refill_draws = 1
@@ -71,8 +75,16 @@ def test_two_steps_of_every_rl_algorithm(ray_session, tmp_path, algo):
             assert np.isfinite(record[key]), (algo, key, record.get(key))
         assert record["train/updates"] == config.train.ppo_epochs * config.train.mini_batches
     assert last["train/policy_version"] == 2
-    # The engine shares the trainer's model code: behaviour and trainer log-probabilities agree.
-    assert last["rollout/logprob_mismatch_max_abs"] < 1e-3
+    # The engine shares the trainer's model code: at step 1 (no lag in either mode) behaviour and trainer
+    # log-probabilities agree.
+    assert records[0]["rollout/logprob_mismatch_max_abs"] < 1e-3
+    # Step t trains on the batch of version max(0, t - 1 - k): lag 0 then min(k, 1).
+    assert [r["rollout/version_lag_max"] for r in records] == [0, staleness]
+    assert [r[f"rollout/version_lag_frac_{staleness}"] for r in records] == [float(staleness == 0), 1.0]
+    # Async defaults to the decoupled objective with truncated importance weights; sync to no correction.
+    assert all(("loss/is_weight_mean" in r) == (staleness > 0) for r in records)
+    if staleness:
+        assert 0 < records[1]["loss/is_ess"] <= 1 and 0 < records[1]["rollout/behavior_ess"] <= 1
     if ALGORITHMS[algo].needs_critic:
         assert np.isfinite(last["loss/critic_value"]) and "train/critic_grad_norm" in last
     if algo == "dapo":

@@ -1,7 +1,10 @@
-"""Exact resume of an RL run: killed with SIGKILL (driver, Ray and every actor) after a checkpoint and resumed,
-it equals a run that never stopped: same per-step losses and rewards, bitwise-identical final params.
+"""Exact resume of an RL run, sync and async: killed with SIGKILL (driver, Ray and every actor) after a checkpoint
+and resumed, it equals a run that never stopped: same per-step losses and rewards, bitwise-identical final params.
 
-Every run is a real `feynrl-jax train` subprocess of the Ray sync loop (tiny random model, reasoning-gym
+With `train.max_staleness=2` the checkpoint of step 2 holds the batches of steps 3 and 4, generated from versions
+0 and 1 while the trainer trained; the resumed run trains on exactly those.
+
+Every run is a real `feynrl-jax train` subprocess of the Ray loop (tiny random model, reasoning-gym
 `chain_sum`, 2 mini-batches per step, asynchronous checkpoints every 2 steps). The sampling seed of each step
 comes from the checkpointed PRNG key and the prompts from the checkpointed data-iterator state, so the
 resumed run regenerates the same rollouts.
@@ -36,8 +39,10 @@ CONFIG = textwrap.dedent(
     spec.loader.exec_module(tiny_rl)
 
     def get_config(arg=None):
+        name, staleness = arg.rsplit("-k", 1)
         config = tiny_rl.get_config("grpo")
         config.run_dir = os.path.join(os.environ["RESUME_ROOT"], arg)
+        config.train.max_staleness = int(staleness)
         config.seed = 5
         config.train.steps = {steps}
         config.checkpoint.every_steps = {every}
@@ -87,14 +92,16 @@ def _final_policy(run_dir):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.ray
-def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace):
+@pytest.mark.parametrize("staleness", [0, 2], ids=["sync", "async"])
+def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace, staleness):
     root, env = workspace
-    straight = _train(root, env, "straight")
+    straight_name, interrupted_name = f"straight-k{staleness}", f"interrupted-k{staleness}"
+    straight = _train(root, env, straight_name)
     _, err = straight.communicate(timeout=900)
     assert straight.returncode == 0, err[-3000:]
 
-    run_dir = str(root / "interrupted")
-    proc = _train(root, env, "interrupted")
+    run_dir = str(root / interrupted_name)
+    proc = _train(root, env, interrupted_name)
     deadline = time.monotonic() + 900
     while KILL_AFTER_LOGGED_STEP not in harness.logged_steps(run_dir):
         if proc.poll() is not None:
@@ -108,11 +115,11 @@ def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace):
     committed = latest_step(run_dir)
     assert committed is not None and SAVE_EVERY <= committed < TOTAL_STEPS
 
-    final = _train(root, env, "interrupted")
+    final = _train(root, env, interrupted_name)
     _, err = final.communicate(timeout=900)
     assert final.returncode == 0, err[-3000:]
 
-    want, got = read_metrics(str(root / "straight")), read_metrics(run_dir)
+    want, got = read_metrics(str(root / straight_name)), read_metrics(run_dir)
     assert [r["step"] for r in want] == list(range(1, TOTAL_STEPS + 1))
     assert [r["step"] for r in got] == list(range(1, TOTAL_STEPS + 1))
     for key in (
@@ -122,12 +129,18 @@ def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace):
         "rollout/response_length_mean",
         "train/policy_version",
         "loss/ratio_mean",
+        "rollout/version_lag_mean",
     ):
         assert [r[key] for r in got] == [r[key] for r in want], key
     # Different prompts and samples every step (a tiny random model never stops early, so lengths do not tell).
     assert len({r["train/entropy"] for r in want}) > 1, "the steps sample different rollouts"
 
-    a, b = _final_policy(str(root / "straight")), _final_policy(run_dir)
+    assert [r["rollout/version_lag_max"] for r in want] == [min(staleness, t - 1) for t in range(1, TOTAL_STEPS + 1)]
+    if staleness:
+        # The resumed run trained on the batches the checkpoint held in flight, with their weights.
+        assert [r["loss/is_weight_mean"] for r in got] == [r["loss/is_weight_mean"] for r in want]
+
+    a, b = _final_policy(str(root / straight_name)), _final_policy(run_dir)
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
