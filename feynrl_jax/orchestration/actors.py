@@ -2,12 +2,14 @@
 
 Parameters travel through Ray's shared-memory object store: the trainer fetches its params to host, `ray.put`s
 every leaf and hands the references to `ParamStoreActor` (nested in a list, so Ray passes the references
-instead of resolving them), which keeps them in a `DoubleBufferedStore`. A rollout worker that is behind reads
-the published snapshot (one complete version, never a mix), fetches the leaves and checks the writer's
-checksum before loading them into its engine. The store holds at most two versions; an old version's arrays are
-freed once no reader holds their references.
+instead of resolving them), which keeps them in a `DoubleBufferedStore`. The driver reads a published version as
+a `ParamsSnapshot` (references only, one complete version, never a mix) and hands it to the rollout workers with
+each generation; a worker fetches the leaves, checks the writer's checksum and loads them into its engine. The
+store holds at most two versions (front, and the back buffer being written); an older version's arrays live on
+only while a snapshot of it is held (by the driver, for a generation the schedule has not run yet).
 
-Each actor imports JAX and its models inside its own process; the driver only moves numpy records between them.
+Each actor imports JAX and its models inside its own process, after pinning itself to its CPU cores when the
+config names them; the driver only moves numpy records between them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Local start (`ray.address` unset): `ray.init` with the machine's CPUs (or `ray.num_cpus`), no dashboard, and
 token authentication off (`RAY_AUTH_MODE=disabled`, so nothing is written to `~/.ray`). Actors ask for
 fractional CPUs (`ACTOR_CPUS`) so the trainer, the rollout workers, the reward scorer and the parameter store
-all fit on a 2-CPU laptop; they share the cores in time, which sync mode (generate, then train) allows.
+all fit on a 2-CPU laptop; they share the cores in time unless `train.cpu_cores` / `rollout.cpu_cores` pin the
+trainer and the rollout workers to cores of their own (`pin_cpu_cores`), which lets async RL overlap them.
 """
 
 from __future__ import annotations
