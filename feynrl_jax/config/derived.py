@@ -102,3 +102,8 @@ def effective_off_policy(config: ConfigDict) -> str:
     if config.algo.off_policy is not None:
         return config.algo.off_policy
     return "decoupled" if config.train.max_staleness > 0 else "none"
+
+
+def checkpoint_every(config: ConfigDict) -> int:
+    """Steps between checkpoints: `checkpoint.every_steps`, or `train.steps` (only at the end) when it is 0."""
+    return config.checkpoint.every_steps or config.train.steps

@@ -43,7 +43,7 @@ import numpy as np
 import ray
 from ml_collections import ConfigDict
 
-from feynrl_jax.config.derived import batch_plan, effective_off_policy
+from feynrl_jax.config.derived import batch_plan, checkpoint_every, effective_off_policy
 from feynrl_jax.config.validation import validate
 from feynrl_jax.data.from_config import build_mixture_from_config
 from feynrl_jax.orchestration.actors import (
@@ -368,8 +368,7 @@ def run(config: ConfigDict, *, rollout_delay: Callable[[int], float] | None = No
 
 
 def _checkpoint_due(config: ConfigDict, step: int) -> bool:
-    every = config.checkpoint.every_steps or config.train.steps
-    return step % every == 0 or step == config.train.steps
+    return step % checkpoint_every(config) == 0 or step == config.train.steps
 
 
 def _train(config: ConfigDict, rollout_delay: Callable[[int], float] | None) -> dict[str, float]:

@@ -47,7 +47,13 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from feynrl_jax.checkpoints.train_state import RunProgress, TrainCheckpointer
-from feynrl_jax.config.derived import BatchPlan, algorithm_hyperparameters, batch_plan, effective_off_policy
+from feynrl_jax.config.derived import (
+    BatchPlan,
+    algorithm_hyperparameters,
+    batch_plan,
+    checkpoint_every,
+    effective_off_policy,
+)
 from feynrl_jax.losses import ALGORITHMS, Algorithm, TrainBatch, compute_metrics
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
@@ -423,7 +429,7 @@ class RLTrainer:
         self.guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite)
         self.checkpointer = TrainCheckpointer(
             config.run_dir,
-            save_every=config.checkpoint.every_steps or settings.steps,
+            save_every=checkpoint_every(config),
             keep=config.checkpoint.keep,
             async_save=config.checkpoint.async_save,
         )

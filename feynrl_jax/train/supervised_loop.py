@@ -24,7 +24,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from feynrl_jax.checkpoints.train_state import RunProgress, TrainCheckpointer
-from feynrl_jax.config.derived import algorithm_hyperparameters, batch_plan
+from feynrl_jax.config.derived import algorithm_hyperparameters, batch_plan, checkpoint_every
 from feynrl_jax.config.validation import validate
 from feynrl_jax.data.packing import TokenBatch
 from feynrl_jax.losses import ALGORITHMS, TrainBatch
@@ -150,7 +150,7 @@ def run_supervised(
             model_config, source, seed=config.seed, shardings=train_step.state_shardings.params
         )
 
-    save_every = config.checkpoint.every_steps or total_steps
+    save_every = checkpoint_every(config)
     with contextlib.ExitStack() as stack:
         checkpointer = stack.enter_context(
             TrainCheckpointer(
