@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from feynrl_jax.checkpoints.hf_names import TensorMapping, get_path, set_path, tensor_mappings
+from feynrl_jax.errors import InputError
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import Params
 
@@ -43,7 +44,7 @@ TOKENIZER_FILES = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError, ValueError):
     """A checkpoint file is missing, truncated or holds a tensor of the wrong shape; the message names it."""
 
 

@@ -112,7 +112,10 @@ def base_config() -> ConfigDict:
     config.rollout.reward_kwargs = ConfigDict()  # RL: reward spec -> its keyword arguments, e.g. {"gsm8k": {...}}.
     config.rollout.reward_workers = 1  # RL: reward-scoring processes (inside the reward actor).
     config.rollout.reward_timeout_s = 10.0  # RL: bound on one reward call; a timeout scores 0 and is counted.
-    config.rollout.max_retries = 2  # RL: retries of a step's generation after a rollout worker dies.
+    config.rollout.max_retries = 2  # RL: retries of a step's generation (or scoring) after its actor dies or hangs.
+    # RL: stop the run when more than this fraction of a step's reward calls fail (raise or time out), naming the
+    # reward and an example error; failed calls score 0 and are counted (`rollout/reward_failed_frac`). 1: never stop.
+    config.rollout.max_reward_failure_frac = 0.5
     config.rollout.cpu_cores = ()  # RL: CPU cores every rollout worker actor is pinned to; (): not pinned.
 
     config.algo = ConfigDict()
@@ -170,6 +173,11 @@ def base_config() -> ConfigDict:
     config.ray.address = placeholder(str)  # None: start Ray locally; else e.g. "ray://head:10001" or "auto".
     config.ray.num_cpus = placeholder(int)  # None: every CPU of the machine (local Ray only).
     config.ray.max_restarts = 3  # Restarts of a dead actor (rollout workers, reward scorer) before giving up.
+    # An actor that does not answer a liveness ping for this long is hung (e.g. stopped): rollout workers and the
+    # reward scorer are restarted and their call retried, a hung trainer or parameter store stops the run.
+    config.ray.stall_timeout_s = 120.0
+    # Local Ray (`ray.address` unset) listens on 127.0.0.1 only. A remote cluster is reached at `ray.address`
+    # and keeps its own authentication (RAY_AUTH_MODE=token with RAY_AUTH_TOKEN in the environment).
     config.ray.log_to_driver = True  # Forward the actors' stdout/stderr to the driver.
 
     config.lock()

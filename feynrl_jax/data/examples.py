@@ -22,12 +22,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from feynrl_jax.errors import InputError
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 ON_BAD_ROW = ("error", "skip")
 _TEXT_FIELDS = ("response", "chosen", "rejected")
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """A data set, a source or a configuration of them cannot be used."""
 
 

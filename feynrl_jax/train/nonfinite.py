@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from feynrl_jax.errors import RunFailed
 from feynrl_jax.losses.metrics import Metric
 
 STREAK_METRIC = "train/nonfinite_streak"
 TOTAL_METRIC = "train/nonfinite_total"
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunFailed):
     """Raised when the gradient or loss was non-finite for too many consecutive steps."""
 
 
