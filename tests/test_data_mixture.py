@@ -69,15 +69,105 @@ def test_stream_state_restores_exactly_through_json():
 def test_bad_mixtures_are_rejected():
     with pytest.raises(DataError, match="weight"):
         ExampleStream({"a": MixtureSource(numbered("a", 2), -1.0)}, seed=0)
-    with pytest.raises(DataError, match="no usable examples"):
+    with pytest.raises(DataError, match=r"data.sources.a \(empty\) has no examples"):
         ExampleStream({"a": MixtureSource(from_examples("empty", []))}, seed=0)
     with pytest.raises(DataError, match="positive weight"):
         ExampleStream({"a": MixtureSource(numbered("a", 2), 0.0)}, seed=0)
     stream = ExampleStream(sources(), seed=0)
     with pytest.raises(DataError, match="lacks keys"):
         stream.set_state({"next_index": 3})
-    with pytest.raises(DataError, match="everything|consecutive"):
+    with pytest.raises(DataError, match=r"data.sources.a: all 10 examples were skipped \(all: 10\)"):
         next(ExampleStream(sources(), seed=0, transform=lambda e: Skip("all")))
+
+
+def too_long_unless_good(calls):
+    """A transform that drops every example of source "bad" as over-long and counts its calls by source."""
+
+    def transform(example):
+        calls[example["source"]] += 1
+        if example["source"] == "bad":
+            return Skip("prompt_too_long", 20 + example["row"], "data.max_prompt_len=8")
+        return example["prompt"]
+
+    return transform
+
+
+@pytest.mark.parametrize("num_epochs", [None, 1])
+def test_a_source_fails_when_its_first_pass_is_all_skipped(num_epochs):
+    from collections import Counter
+
+    calls = Counter()
+    mixture = {"good": MixtureSource(numbered("good", 5)), "bad": MixtureSource(numbered("bad", 30), 3.0)}
+    stream = ExampleStream(mixture, seed=0, num_epochs=num_epochs, transform=too_long_unless_good(calls))
+    message = (
+        r"^data.sources.bad: all 30 examples were skipped \(prompt_too_long: 30 with 21 to 50 tokens > "
+        r"data.max_prompt_len=8\), nothing is left to train on; e.g. row \d+: prompt_too_long: \d+ tokens"
+    )
+    with pytest.raises(DataError, match=message):
+        for _ in range(100):
+            next(stream)
+    assert calls["bad"] == 30  # exactly one pass of the bad source, not a fixed number of draws
+    assert stream.taken["good"] > 0 and stream.skipped["prompt_too_long"] < 30  # the good source was served
+
+
+def test_skips_are_logged_briefly_counted_by_source_and_restored(caplog, tokenizer):
+    from feynrl_jax.tracking.namespaces import check_metric_name
+
+    mixed = from_examples("mixed.jsonl", [{"prompt": "question " * (30 if i % 5 < 3 else 1)} for i in range(10)])
+    mixture = {"mixed": MixtureSource(mixed), "short": MixtureSource(numbered("short", 4))}
+
+    def batches():
+        return PromptBatches(mixture, tokenizer, batch_size=2, max_prompt_len=40, seed=0)
+
+    first = batches()
+    for _ in range(10):
+        next(first)
+    assert first.stream.get_state()["positions"]["mixed"] >= 10  # its first pass is over
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4, lines  # three skipped rows, then one summary for the source's first pass
+    assert all(line.startswith("data.sources.mixed (mixed.jsonl), row ") for line in lines[:3])
+    assert "prompt_too_long: " in lines[0] and "tokens > data.max_prompt_len=40" in lines[0]
+    assert lines[3].startswith("data.sources.mixed (mixed.jsonl): 6 of its 10 examples were skipped in its first pass")
+    skipped = first.skipped()
+    n = skipped["train/data/skipped_rows"]
+    assert n >= 6 and skipped == {
+        "train/data/skipped_rows": n,
+        "train/data/skipped_rows/prompt_too_long": n,
+        "train/data/skipped_rows/mixed/prompt_too_long": n,
+    }
+    assert all(check_metric_name(name) for name in first.metrics())
+
+    state = json.loads(json.dumps(first.get_state()))
+    resumed = batches()
+    resumed.set_state(state)
+    assert resumed.skipped() == skipped
+    for _ in range(4):
+        assert next(resumed).prompt_ids == next(first).prompt_ids
+    assert resumed.metrics() == first.metrics()
+    legacy = {k: v for k, v in state.items() if k != "skipped_by_source"} | {"skipped": {"prompt_too_long": n}}
+    resumed.set_state(legacy)  # a state written before per-source counts: they restart at zero
+    assert resumed.skipped() == {"train/data/skipped_rows": 0.0}
+
+
+def test_all_prompts_too_long_fails_in_seconds_naming_the_source(tmp_path, tokenizer):
+    import time
+
+    from feynrl_jax.config.base import add_data_source, base_config, data_source
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"question {i} " * 20, "answer": "1"}) for i in range(300)))
+    config = base_config()
+    add_data_source(config, "train", data_source("jsonl", path=str(path)))
+    with config.unlocked():
+        config.data.max_prompt_len = 16
+    prompts = build_mixture_from_config(config.data, tokenizer, paradigm="rl", batch_size=4)
+    start = time.monotonic()
+    with pytest.raises(DataError) as info:
+        next(prompts)
+    assert time.monotonic() - start < 10.0
+    message = str(info.value)
+    assert message.startswith(f"data.sources.train ({path}): all 300 examples were skipped (prompt_too_long: 300 with ")
+    assert "tokens > data.max_prompt_len=16)" in message
 
 
 def sft(tokenizer, packing, seed=0):

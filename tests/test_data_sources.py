@@ -59,11 +59,14 @@ def test_bad_row_is_an_error_naming_file_and_row(tmp_path, name, line, kind):
 
 
 @pytest.mark.parametrize("name,line,kind", BAD_ROWS, ids=[b[0] for b in BAD_ROWS])
-def test_bad_row_is_skipped_and_counted(tmp_path, name, line, kind):
+def test_bad_row_is_skipped_counted_and_logged(tmp_path, caplog, name, line, kind):
     path = write_jsonl(tmp_path / f"{name}.jsonl", [encode(GOOD), encode(GOOD), line, encode(GOOD)])
     source = read_jsonl(path, required=("response",), on_bad_row="skip")
     assert len(source) == 3 and dict(source.skipped) == {kind: 1}
     assert source.row_numbers == [1, 2, 4] and source.rows == 4
+    row_line, summary = [r.getMessage() for r in caplog.records]
+    assert row_line.startswith(f"{path}, row 3 skipped (on_bad_row=skip; {kind})")
+    assert summary.startswith(f"{path}: skipped 1 of 4 rows as bad rows ({kind}: 1)") and "e.g. row 3: " in summary
 
 
 def test_over_long_prompt_is_filtered_and_counted(tmp_path, tokenizer):
@@ -86,7 +89,57 @@ def test_over_long_prompt_is_filtered_and_counted(tmp_path, tokenizer):
     assert batches.stream.skipped == {"prompt_too_long": 1}
     assert batches.stream.taken == {"f": 2}
     assert sum(int((b.segment_ids.max(axis=1) > 0).sum()) for b in rows) == 2
-    assert batches.metrics()["train/data/skipped_prompt_too_long"] == 1.0
+    assert batches.metrics()["train/data/skipped_rows/prompt_too_long"] == 1.0
+    assert batches.metrics()["train/data/skipped_rows/f/prompt_too_long"] == 1.0
+
+
+def test_many_bad_rows_log_a_few_lines_and_reach_the_metrics(tmp_path, caplog, tokenizer):
+    from feynrl_jax.tracking.namespaces import check_metric_name
+
+    lines = [encode(GOOD), b"{broken"] + [b"{broken"] * 29 + [encode({"prompt": "no response"})] * 20 + [encode(GOOD)]
+    path = write_jsonl(tmp_path / "noisy.jsonl", lines)
+    source = read_jsonl(path, required=("response",), on_bad_row="skip")
+    assert len(caplog.records) == 4  # three rows one line each, then one summary
+    assert (
+        "skipped 50 of 52 rows as bad rows (malformed_json: 30, missing_field: 20)" in caplog.records[-1].getMessage()
+    )
+    batches = SFTBatches(
+        {"noisy": MixtureSource(source)},
+        tokenizer,
+        batch_size=2,
+        max_seq_len=64,
+        max_prompt_len=32,
+        packing=False,
+        seed=0,
+    )
+    assert batches.skipped() == {
+        "train/data/skipped_rows": 50.0,
+        "train/data/skipped_rows/malformed_json": 30.0,
+        "train/data/skipped_rows/missing_field": 20.0,
+        "train/data/skipped_rows/noisy/malformed_json": 30.0,
+        "train/data/skipped_rows/noisy/missing_field": 20.0,
+    }
+    assert batches.skip_counts() == {"malformed_json": 30, "missing_field": 20}
+    assert all(check_metric_name(name) for name in batches.metrics())
+
+
+def test_a_source_of_only_bad_rows_fails_naming_it(tmp_path, tokenizer):
+    from feynrl_jax.config.base import add_data_source, base_config, data_source
+    from feynrl_jax.data import build_mixture_from_config
+
+    good = write_jsonl(tmp_path / "good.jsonl", [encode(GOOD)] * 3)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [b"{broken"] * 2 + [encode({"prompt": "no response"})])
+    config = base_config()
+    add_data_source(config, "good", data_source("jsonl", path=good))
+    add_data_source(config, "bad", data_source("jsonl", path=bad))
+    with config.unlocked():
+        config.data.on_bad_row = "skip"
+    with pytest.raises(DataError) as info:
+        build_mixture_from_config(config.data, tokenizer, paradigm="sft", batch_size=2)
+    assert str(info.value) == (
+        f"data.sources.bad ({bad}): all 3 rows were skipped as bad rows (malformed_json: 2, missing_field: 1); "
+        "e.g. row 1: malformed JSON: Expecting property name enclosed in double quotes at column 2"
+    )
 
 
 def test_unknown_on_bad_row_value_is_rejected(tmp_path):

@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from feynrl_jax.rollout.rewards import RewardScorer, TimeoutProcessPool
+from feynrl_jax.errors import InputError
+from feynrl_jax.rollout.rewards import RewardError, RewardScorer, TimeoutProcessPool
 
 TIMEOUT_S = 1.0
 
@@ -87,6 +88,11 @@ def test_forever_sleeping_reward_is_cut_off_at_its_timeout(scorer):
     assert metrics[f"rollout/reward/{SLEEPY}/timeouts"] == 1
     assert metrics[f"rollout/reward/{SLEEPY}/errors"] == 0
     assert metrics[f"rollout/reward/{RAISING}/timeouts"] == 0
+    # A timeout is a failed call: counted in the failure fractions and kept as an example error.
+    assert metrics[f"rollout/reward/{SLEEPY}/failed_frac"] == 1 / 8
+    assert metrics[f"rollout/reward/{RAISING}/failed_frac"] == 0.0
+    assert metrics["rollout/reward_failed_frac"] == 1 / 24
+    assert scorer.last_errors == [(2, SLEEPY, f"timed out after {TIMEOUT_S} s")]
     # The hung worker was killed and replaced.
     pids_after = set(scorer.worker_pids)
     killed = pids_before - pids_after
@@ -114,6 +120,35 @@ def test_exception_scores_zero_and_is_counted(scorer):
     assert metrics[f"rollout/reward/{RAISING}/errors"] == 2
     assert metrics[f"rollout/reward/{RAISING}/timeouts"] == 0
     assert metrics[f"rollout/reward/{SLEEPY}/errors"] == 0
+
+
+def test_a_reward_failing_on_too_many_items_stops_the_run_naming_it(caplog):
+    # RL data without the `answer` field that the reward reads: every call raises KeyError.
+    examples = [{"prompt": "p", "source": "train", "row": 1 + i} for i in range(4)]
+    with RewardScorer({"gsm8k": 1.0}, timeout_s=5.0, num_workers=1, max_failure_frac=0.5) as scorer:
+        with pytest.raises(RewardError) as info:
+            scorer.score(["p"] * 4, ["#### 4"] * 4, examples)
+        assert isinstance(info.value, InputError) and info.value.exit_code == 2
+        assert str(info.value).startswith(
+            "reward 'gsm8k' failed on 4/4 completions (limit rollout.max_reward_failure_frac=0.5); "
+            "first error, row 0 (data.sources.train, row 1): KeyError: \"example has no gold answer field 'answer'"
+        )
+        assert [(row, name) for row, name, _ in scorer.last_errors] == [
+            (0, "gsm8k"),
+            (1, "gsm8k"),
+            (2, "gsm8k"),
+            (3, "gsm8k"),
+        ]
+        # At the limit (2/4 = 0.5, not more) the batch is scored, the failures counted and logged in one line.
+        examples[1]["answer"] = examples[3]["answer"] = "4"
+        rewards, _, metrics = scorer.score(["p"] * 4, ["#### 4"] * 4, examples)
+    np.testing.assert_array_equal(rewards, [0.0, 1.0, 0.0, 1.0])
+    assert metrics["rollout/reward/gsm8k/failed_frac"] == metrics["rollout/reward_failed_frac"] == 0.5
+    assert metrics["rollout/reward/gsm8k/errors"] == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.name.endswith("scorer")]
+    assert line.startswith("reward 'gsm8k' failed on 2/4 completions; first error, row 0 (data.sources.train, row 1)")
+    with pytest.raises(ValueError, match="max_failure_frac"):
+        RewardScorer({"gsm8k": 1.0}, max_failure_frac=1.5)
 
 
 def test_dying_worker_scores_zero_and_is_replaced(scorer):

@@ -1,8 +1,12 @@
 """Load-time checks of a whole config: every problem is one sentence naming its key.
 
 `validate(config)` runs before anything heavy (it imports neither JAX nor the model code), so a bad config fails
-in well under a second. Checks that need the device count (the data-parallel size when a mesh axis is `-1`) run
-when the caller passes `num_devices`: the CLI cannot know it without starting JAX, so the loops call
+in well under a second. Every float must be finite, every value in its documented range, and every reward name
+(`rollout.rewards`, `eval.reward`) known to the rewards registry, whose import is light (numpy, no JAX).
+
+Checks that need the device count (the mesh against the devices, the data-parallel size when a mesh axis is `-1`)
+run when the device count is known: the CLI cannot know it without starting JAX except on a CPU-only run, where
+the environment decides it (`cpu_device_count_hint`), so the loops call
 `validate(config, num_devices=jax.device_count())` again once JAX is up. With explicit mesh sizes the batch
 divisibility checks run in the CLI already.
 """
@@ -11,7 +15,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 
 from ml_collections import ConfigDict
 
@@ -30,6 +35,9 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 MESH_RULES = ("dp", "fsdp", "fsdp_tp")
 BAD_ROW_POLICIES = ("error", "skip")
 OFF_POLICY_MODES = ("none", "tis", "decoupled")
+REFERENCE_MODES = ("per_batch", "precompute")
+PROCESS_COUNT_VARIABLES = ("FEYNRL_NUM_PROCESSES", "JAX_NUM_PROCESSES", "SLURM_NTASKS")
+"""Variables of a multi-process launch (`sharding/multihost.py`): the devices of every process form one mesh."""
 
 
 def flatten(config: ConfigDict, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -54,25 +62,54 @@ def known_keys(config: ConfigDict) -> list[str]:
     return keys
 
 
+def cpu_device_count_hint(environ: Mapping[str, str] | None = None) -> int | None:
+    """The device count JAX will report, when the environment alone decides it; None when it does not.
+
+    That is a single-process run on the CPU platform only (`JAX_PLATFORMS=cpu`): `JAX_NUM_CPU_DEVICES` when set,
+    else the last `--xla_force_host_platform_device_count=N` of `XLA_FLAGS`, else 1. Any other platform, or a
+    multi-process launch (whose mesh spans every process's devices), needs JAX to count.
+
+    Args:
+        environ: the environment to read; None reads `os.environ`.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu":
+        return None
+    if any(environ.get(name, "").strip() not in ("", "1") for name in PROCESS_COUNT_VARIABLES):
+        return None
+    count = environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+    if count in ("", "-1"):  # -1 is JAX's "unset": the XLA flag decides.
+        forced = re.findall(r"(?:^|\s)--?xla_force_host_platform_device_count=(\S*)", environ.get("XLA_FLAGS", ""))
+        count = forced[-1] if forced else "1"
+    return int(count) if count.isdigit() and int(count) >= 1 else None
+
+
 def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
     """Raises `ConfigError` listing every problem of `config`; returns None when it can run.
 
     Args:
         config: a config built on `base_config()`.
-        num_devices: the number of devices the mesh spans; None skips the checks that need it unless the mesh
-            sizes are all explicit.
+        num_devices: the number of devices the mesh spans; None: `cpu_device_count_hint()`, and when that is
+            None too the checks that need it are skipped (the batch checks still run when the mesh sizes are all
+            explicit).
 
     Raises:
         ConfigError: with one `Problem(key, sentence)` per problem.
     """
     problems: list[Problem] = []
+    nonfinite: set[str] = set()
 
     def bad(key: str, message: str) -> None:
-        problems.append(Problem(key, message))
+        if key not in nonfinite:  # A non-finite value is reported once, not again by its range check.
+            problems.append(Problem(key, message))
 
     _check_keys(config, bad)
     if problems:  # Unknown keys make the remaining checks meaningless.
         raise ConfigError(problems)
+    _check_finite(config, bad)
+    nonfinite.update(p.key for p in problems)
+    if num_devices is None:
+        num_devices = cpu_device_count_hint()
     _check_top(config, bad)
     _check_model(config.model, bad)
     _check_data(config, bad)
@@ -81,7 +118,8 @@ def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
     _check_rollout(config, bad)
     _check_algo(config, bad)
     _check_async(config, bad)
-    _check_mesh(config.mesh, bad)
+    _check_rewards(config, bad)
+    _check_mesh(config.mesh, bad, num_devices)
     _check_misc(config, bad)
     if problems:
         raise ConfigError(problems)
@@ -98,6 +136,13 @@ def _check_keys(config, bad):
             bad(path, f"unknown key {path}{suggestion(path, allowed)}.")
 
 
+def _check_finite(config, bad):
+    """Every float leaf, the open sections' too (hyperparameters, reward weights and their arguments)."""
+    for path, value in flatten(config):
+        if isinstance(value, float) and not math.isfinite(value):
+            bad(path, f"{path}={value!r} must be a finite number.")
+
+
 def _choice(bad, key, value, choices):
     if value not in choices:
         options = ", ".join(repr(c) for c in choices)
@@ -107,8 +152,18 @@ def _choice(bad, key, value, choices):
 
 
 def _at_least(bad, key, value, low):
-    if value < low:
+    if not value >= low:  # Written so that nan fails too.
         bad(key, f"{key}={value!r} must be at least {low}.")
+
+
+def _positive(bad, key, value):
+    if not value > 0:
+        bad(key, f"{key}={value!r} must be positive.")
+
+
+def _in_unit_interval(bad, key, value):
+    if not 0.0 <= value <= 1.0:
+        bad(key, f"{key}={value!r} must be in [0, 1].")
 
 
 def _check_top(config, bad):
@@ -170,8 +225,7 @@ def _check_data(config, bad):
             bad(f"{key}.options", f"{key}.options is only read by reasoning_gym sources, not {source.kind}.")
         if source.kind == "reasoning_gym" and not source.task:
             bad(f"{key}.task", f"{key}.task is unset: name a reasoning-gym task, e.g. 'basic_arithmetic'.")
-        if source.weight <= 0:
-            bad(f"{key}.weight", f"{key}.weight={source.weight} must be positive.")
+        _positive(bad, f"{key}.weight", source.weight)
         _at_least(bad, f"{key}.size", source.size, 1)
         if not source.split:
             bad(f"{key}.split", f"{key}.split must not be empty.")
@@ -194,6 +248,7 @@ def _check_data(config, bad):
             f"in data.max_seq_len={data.max_seq_len}.",
         )
     _choice(bad, "data.on_bad_row", data.on_bad_row, BAD_ROW_POLICIES)
+    _at_least(bad, "data.shuffle_seed", data.shuffle_seed, 0)
     if data.max_prompt_len >= data.max_seq_len:
         return
     if config.paradigm == "rl" and data.max_prompt_len + config.rollout.max_new_tokens > data.max_seq_len:
@@ -211,7 +266,7 @@ def _check_data(config, bad):
 
 
 def _check_optim(optim, steps, bad):
-    if optim.lr < 0:
+    if not optim.lr >= 0:
         bad("optim.lr", f"optim.lr={optim.lr} is negative.")
     _at_least(bad, "optim.warmup_steps", optim.warmup_steps, 0)
     _choice(bad, "optim.schedule", optim.schedule, SCHEDULES)
@@ -224,8 +279,7 @@ def _check_optim(optim, steps, bad):
     for key in ("b1", "b2"):
         if not 0.0 <= optim[key] < 1.0:
             bad(f"optim.{key}", f"optim.{key}={optim[key]} must be in [0, 1).")
-    if optim.eps <= 0:
-        bad("optim.eps", f"optim.eps={optim.eps} must be positive.")
+    _positive(bad, "optim.eps", optim.eps)
     _at_least(bad, "optim.max_grad_norm", optim.max_grad_norm, 0.0)
     _at_least(bad, "optim.max_consecutive_nonfinite", optim.max_consecutive_nonfinite, 1)
 
@@ -294,10 +348,6 @@ def _check_batches(config, bad, num_devices):
             f"the micro-batch of {micro} {unit} is not divisible by the "
             f"data-parallel size {dp} (mesh.data x mesh.fsdp).",
         )
-    if num_devices is not None and -1 not in (config.mesh.data, config.mesh.fsdp, config.mesh.tensor):
-        product = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
-        if product != num_devices:
-            bad("mesh.data", f"mesh.data x mesh.fsdp x mesh.tensor = {product} but there are {num_devices} devices.")
 
 
 def _check_rollout(config, bad):
@@ -313,6 +363,10 @@ def _check_rollout(config, bad):
         _at_least(bad, f"rollout.{key}", rollout[key], 1)
     if any(not isinstance(s, str) or not s for s in rollout.stop_strings):
         bad("rollout.stop_strings", f"rollout.stop_strings={rollout.stop_strings!r} must hold non-empty strings.")
+    _at_least(bad, "rollout.reward_workers", rollout.reward_workers, 1)
+    _positive(bad, "rollout.reward_timeout_s", rollout.reward_timeout_s)
+    _at_least(bad, "rollout.max_retries", rollout.max_retries, 0)
+    _in_unit_interval(bad, "rollout.max_reward_failure_frac", rollout.max_reward_failure_frac)
 
 
 def _check_algo(config, bad):
@@ -326,7 +380,7 @@ def _check_algo(config, bad):
     elif config.paradigm in ("sft", "dpo", "rl") and traits.paradigm != config.paradigm:
         bad("algo.name", f"algo.name={algo.name!r} is a {traits.paradigm} algorithm but paradigm={config.paradigm!r}.")
     for key in ("kl_coef", "clip_low", "clip_high"):
-        if algo[key] is not None and algo[key] < 0:
+        if algo[key] is not None and not algo[key] >= 0:
             bad(f"algo.{key}", f"algo.{key}={algo[key]} is negative.")
     if algo.clip_low is not None and algo.clip_low >= 1:
         bad(
@@ -336,6 +390,11 @@ def _check_algo(config, bad):
         _choice(bad, "algo.loss_agg", algo.loss_agg, LOSS_AGGREGATIONS)
     if algo.reference not in ("none", "initial") and not os.path.isdir(algo.reference):
         bad("algo.reference", f"algo.reference={algo.reference!r} is neither 'none', 'initial' nor a model folder.")
+    _choice(bad, "algo.reference_mode", algo.reference_mode, REFERENCE_MODES)
+    _at_least(bad, "algo.max_refill_draws", algo.max_refill_draws, 0)
+    _at_least(bad, "algo.critic_lr", algo.critic_lr, 0.0)
+    _in_unit_interval(bad, "algo.gae_gamma", algo.gae_gamma)
+    _in_unit_interval(bad, "algo.gae_lambda", algo.gae_lambda)
     if traits is None or config.paradigm == "eval":
         return
     if algo.reference == "none":
@@ -405,7 +464,61 @@ def _check_async(config, bad):
             bad(f"algo.hparams.{key}", f"algo.hparams.{key} is set by algo.off_policy and algo.tis_cap; set those.")
 
 
-def _check_mesh(mesh, bad):
+def _check_rewards(config, bad):
+    """`rollout.rewards` (RL) and `eval.reward` (when it evaluates) name rewards that resolve."""
+    rl, ev = config.paradigm == "rl", config.eval
+    if rl:
+        rewards = config.rollout.rewards
+        if not rewards.keys():
+            bad("rollout.rewards", "rollout.rewards is empty; an RL run needs at least one reward.")
+        for name, weight in rewards.items():
+            problem = _reward_problem(name)
+            if problem:
+                bad("rollout.rewards", f"rollout.rewards: {problem}.")
+            if isinstance(weight, bool) or not isinstance(weight, int | float):
+                bad(f"rollout.rewards.{name}", f"rollout.rewards.{name}={weight!r} must be a number (its weight).")
+        for name, kwargs in config.rollout.reward_kwargs.items():
+            key = f"rollout.reward_kwargs.{name}"
+            if name not in rewards:
+                bad(key, f"{key} gives arguments to a reward missing from rollout.rewards ({', '.join(rewards)}).")
+            elif not isinstance(kwargs, ConfigDict):
+                bad(key, f"{key}={kwargs!r} must map argument names to values.")
+    evaluates = config.paradigm in ("rl", "eval") or ev.during_training
+    if evaluates and ev.reward:
+        problem = _reward_problem(ev.reward)
+        if problem:
+            bad("eval.reward", f"eval.reward: {problem}.")
+    elif config.paradigm == "eval" and not ev.reward:
+        bad("eval.reward", "eval.reward is empty but `feynrl-jax eval` scores completions with it.")
+    elif rl and ev.during_training and not ev.reward:
+        bad(
+            "eval.reward",
+            "eval.reward is empty but the RL loop's evaluation scores completions with it "
+            "(set eval.during_training=False to skip it).",
+        )
+
+
+def _reward_problem(spec):
+    """Why the reward `spec` does not resolve (a clause naming it), or None when it does."""
+    # The registry imports numpy, never JAX; built-in rewards stay unimported (math-verify, reasoning-gym).
+    from feynrl_jax.rollout.rewards.registry import available_rewards, resolve_reward
+
+    if ":" not in spec:
+        known = available_rewards()
+        if spec in known:
+            return None
+        return (
+            f"unknown reward {spec!r}{suggestion(spec, known)}; known: {', '.join(known)} "
+            "(or an import path 'package.module:function')"
+        )
+    try:
+        resolve_reward(spec)  # Imports the module, as the reward workers will.
+    except Exception as e:  # The registry's errors name the spec; a user's module may raise anything on import.
+        return str(e) if repr(spec) in str(e) else f"reward {spec!r}: {type(e).__name__}: {e}"
+    return None
+
+
+def _check_mesh(mesh, bad, num_devices):
     sizes = {"mesh.data": mesh.data, "mesh.fsdp": mesh.fsdp, "mesh.tensor": mesh.tensor}
     for key, size in sizes.items():
         if size == 0 or size < -1:
@@ -419,6 +532,18 @@ def _check_mesh(mesh, bad):
             f"mesh.tensor={mesh.tensor} needs mesh.rules='fsdp_tp' (rules {mesh.rules!r} never "
             "shard over the tensor axis).",
         )
+    fixed = {key: size for key, size in sizes.items() if size >= 1}
+    if num_devices is None or len(free) > 1 or len(fixed) + len(free) < len(sizes):
+        return  # The device count is unknown, or the sizes are reported above.
+    product = math.prod(fixed.values())
+    if free and num_devices % product:
+        bad(
+            free[0],
+            f"{free[0]}=-1 cannot fill the {num_devices} devices: {' x '.join(fixed)} = {product} "
+            "does not divide them.",
+        )
+    elif not free and product != num_devices:
+        bad("mesh.data", f"mesh.data x mesh.fsdp x mesh.tensor = {product} but there are {num_devices} devices.")
 
 
 def _check_misc(config, bad):
@@ -438,3 +563,5 @@ def _check_misc(config, bad):
         bad("eval.split", "eval.split must not be empty.")
     if config.ray.num_cpus is not None:
         _at_least(bad, "ray.num_cpus", config.ray.num_cpus, 1)
+    _at_least(bad, "ray.max_restarts", config.ray.max_restarts, 0)
+    _positive(bad, "ray.stall_timeout_s", config.ray.stall_timeout_s)

@@ -11,6 +11,11 @@ Each builder draws examples from an :class:`~feynrl_jax.data.mixture.ExampleStre
 
 A builder's state is its stream's state (:meth:`get_state` / :meth:`set_state`, a JSON-serialisable dict):
 a batch never holds an example back, so restoring the state continues with exactly the next batch.
+
+Every row a builder does not train on is counted by source and reason (bad rows dropped when a file was read
+under ``data.on_bad_row="skip"``, examples over the length budget) and logged by the stream;
+:meth:`~_Batches.skipped` gives the counters as metrics, :meth:`~_Batches.metrics` adds the examples taken.
+A source that yields nothing usable fails with a ``DataError`` naming it (see :mod:`feynrl_jax.data.mixture`).
 """
 
 from __future__ import annotations
@@ -58,9 +63,33 @@ class _Batches:
         """Restores a state from :meth:`get_state`."""
         self.stream.set_state(state)
 
+    def skip_counts(self) -> dict[str, int]:
+        """Rows skipped so far by reason, all sources together (bad rows and length-budget skips)."""
+        totals: dict[str, int] = {}
+        for counts in self.stream.skip_counts().values():
+            for reason, n in counts.items():
+                totals[reason] = totals.get(reason, 0) + n
+        return totals
+
+    def skipped(self) -> dict[str, float]:
+        """Skip counters since the run started (cumulative), as metrics under ``train/data/``.
+
+        Returns:
+            ``{"train/data/skipped_rows": total, "train/data/skipped_rows/<reason>": n,
+            "train/data/skipped_rows/<source>/<reason>": n}``; the total is always there (0 when nothing was
+            skipped), the others only for reasons that occurred.
+        """
+        by_source = self.stream.skip_counts()
+        out = {"train/data/skipped_rows": float(sum(sum(c.values()) for c in by_source.values()))}
+        out.update({f"train/data/skipped_rows/{reason}": float(n) for reason, n in self.skip_counts().items()})
+        for source, counts in by_source.items():
+            out.update({f"train/data/skipped_rows/{source}/{reason}": float(n) for reason, n in counts.items()})
+        return out
+
     def metrics(self) -> dict[str, float]:
-        """Counters under ``train/data/``: examples skipped by reason and taken per source."""
-        out = {f"train/data/skipped_{reason}": float(n) for reason, n in self.stream.skipped.items()}
+        """Counters under ``train/data/``: :meth:`skipped` plus the examples taken per source
+        (``train/data/taken_<source>``)."""
+        out = self.skipped()
         out.update({f"train/data/taken_{source}": float(n) for source, n in self.stream.taken.items()})
         return out
 
@@ -113,9 +142,9 @@ class SFTBatches(_Batches):
         except DataError as error:
             raise DataError(f"{_where(example)}: {error}") from error
         if sequence.prompt_length > self.max_prompt_len:
-            return Skip("prompt_too_long")
+            return Skip("prompt_too_long", sequence.prompt_length, f"data.max_prompt_len={self.max_prompt_len}")
         if len(sequence) > self.max_seq_len:
-            return Skip("sequence_too_long")
+            return Skip("sequence_too_long", len(sequence), f"data.max_seq_len={self.max_seq_len}")
         return sequence
 
     def __next__(self) -> TokenBatch:
@@ -185,9 +214,10 @@ class DPOBatches(_Batches):
         except DataError as error:
             raise DataError(f"{_where(example)}: {error}") from error
         if chosen.prompt_length > self.max_prompt_len:
-            return Skip("prompt_too_long")
-        if max(len(chosen), len(rejected)) > self.max_seq_len:
-            return Skip("sequence_too_long")
+            return Skip("prompt_too_long", chosen.prompt_length, f"data.max_prompt_len={self.max_prompt_len}")
+        longest = max(len(chosen), len(rejected))
+        if longest > self.max_seq_len:
+            return Skip("sequence_too_long", longest, f"data.max_seq_len={self.max_seq_len}")
         return chosen, rejected
 
     def __next__(self) -> TokenBatch:
@@ -270,7 +300,7 @@ class PromptBatches(_Batches):
         except DataError as error:
             raise DataError(f"{_where(example)}: {error}") from error
         if len(ids) > self.max_prompt_len:
-            return Skip("prompt_too_long")
+            return Skip("prompt_too_long", len(ids), f"data.max_prompt_len={self.max_prompt_len}")
         return ids, text, example
 
     def __next__(self) -> PromptBatch:

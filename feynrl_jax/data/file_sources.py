@@ -4,12 +4,14 @@ Both readers validate every row when the source is opened, so a bad row is repor
 not thousands of steps in. A bad row raises :class:`~feynrl_jax.data.examples.BadRowError` naming the file and
 the 1-based row (the line number in a JSONL file), or, with ``on_bad_row="skip"``, is dropped and counted in
 ``source.skipped`` under its kind ("malformed_json", "missing_field", "wrong_type", "empty_text",
-"unknown_role", "not_utf8").
+"unknown_role", "not_utf8") and logged: the first :data:`MAX_LOGGED_BAD_ROWS` one line each, then one summary
+per file with the counts and an example row.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -24,6 +26,11 @@ from feynrl_jax.data.examples import (
     validate_example,
 )
 
+log = logging.getLogger(__name__)
+
+MAX_LOGGED_BAD_ROWS = 3
+"""Skipped bad rows logged one line each, per file; the rest are counted and summarised in one line."""
+
 
 class ExampleSource(Sequence):
     """A validated, random-access list of examples in the common format.
@@ -34,6 +41,7 @@ class ExampleSource(Sequence):
         skipped: rows dropped under ``on_bad_row="skip"``, counted by kind.
         row_numbers: the 1-based row (JSONL line) of each valid example.
         rows: the number of data rows read (valid plus skipped).
+        skip_examples: the first few skipped rows, as "row 3: malformed JSON: ..." (for messages).
     """
 
     def __init__(
@@ -43,12 +51,14 @@ class ExampleSource(Sequence):
         skipped: Counter | None = None,
         rows: int | None = None,
         row_numbers: list[int] | None = None,
+        skip_examples: list[str] | None = None,
     ):
         self.name = name
         self.examples = examples
         self.skipped = Counter(skipped or {})
         self.rows = len(examples) if rows is None else rows
         self.row_numbers = list(range(1, len(examples) + 1)) if row_numbers is None else row_numbers
+        self.skip_examples = list(skip_examples or [])
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -75,11 +85,12 @@ def collect_rows(
         rows: pairs of a 1-based row number and either a decoded row or a :class:`BadRowError` found while
             decoding it.
         required: fields the caller needs (see :func:`validate_example`).
-        on_bad_row: "error" raises on the first bad row, "skip" drops it and counts it.
+        on_bad_row: "error" raises on the first bad row, "skip" drops it, counts it by kind and logs it (the
+            first few rows one line each, then one summary line).
         columns: example field -> column name in the file, for files whose columns are named differently.
     """
     check_on_bad_row(on_bad_row)
-    examples, row_numbers, skipped, count = [], [], Counter(), 0
+    examples, row_numbers, skipped, skip_examples, count = [], [], Counter(), [], 0
     for row, raw in rows:
         count += 1
         try:
@@ -96,7 +107,20 @@ def collect_rows(
             if on_bad_row == "error":
                 raise
             skipped[error.kind] += 1
-    return ExampleSource(name, examples, skipped, count, row_numbers)
+            if len(skip_examples) < MAX_LOGGED_BAD_ROWS:
+                skip_examples.append(f"row {error.row}: {error.reason}")
+                log.warning("%s, row %d skipped (on_bad_row=skip; %s): %s", name, error.row, error.kind, error.reason)
+    if skipped:
+        counts = ", ".join(f"{kind}: {n}" for kind, n in sorted(skipped.items()))
+        log.warning(
+            "%s: skipped %d of %d rows as bad rows (%s) with on_bad_row=skip; e.g. %s",
+            name,
+            sum(skipped.values()),
+            count,
+            counts,
+            skip_examples[0],
+        )
+    return ExampleSource(name, examples, skipped, count, row_numbers, skip_examples)
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[int, Any]]:

@@ -14,7 +14,16 @@ grain's ``MapDataset.shuffle`` computes the same kind of index permutation, but 
 here (measured: ~8 ms per ``ds[i]`` on the 2-core CI machine), which a training loop cannot afford.
 
 An optional ``transform`` turns each example into what the consumer needs (e.g. token ids). It may return
-:class:`Skip` to drop the example (an over-long prompt); skips are counted by reason in the state.
+:class:`Skip` to drop the example (an over-long prompt). Skips are never silent:
+
+- counted by source and reason in the state (:meth:`ExampleStream.skip_counts` adds the bad rows each source
+  dropped when it was read, so one dict holds every row a run did not train on);
+- logged: the first :data:`MAX_LOGGED_SKIPS` of each source one line each, then one summary per source when its
+  first pass ends (the transform is deterministic, so later passes skip the same examples);
+- fatal when nothing is left: a source whose first full pass yields no usable example raises a
+  :class:`~feynrl_jax.data.examples.DataError` naming the source, its file or task, and the reasons, as soon as
+  that pass ends (one pass of the transform, never a fixed number of draws; a source with no usable row at all
+  fails when the stream is built).
 
 Each example handed out is a shallow copy of the source's dict with two fields added: ``source`` (the mixture
 name of its source) and ``row`` (its 1-based row in that source's file).
@@ -22,6 +31,8 @@ name of its source) and ``row`` (its 1-based row in that source's file).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -32,14 +43,31 @@ import numpy as np
 
 from feynrl_jax.data.examples import DataError
 
-MAX_CONSECUTIVE_SKIPS = 10_000
+log = logging.getLogger(__name__)
+
+MAX_LOGGED_SKIPS = 3
+"""Skipped examples logged one line each, per source; the rest are counted and summarised once."""
 
 
 @dataclass(frozen=True)
 class Skip:
-    """Returned by a transform to drop an example; ``reason`` is its counter key (e.g. "prompt_too_long")."""
+    """Returned by a transform to drop an example.
+
+    Attributes:
+        reason: its counter key, e.g. "prompt_too_long".
+        length: the size that broke the budget, in tokens (None when the reason is not a length).
+        limit: the budget as the user sets it, for messages, e.g. "data.max_prompt_len=256".
+    """
 
     reason: str
+    length: int | None = None
+    limit: str = ""
+
+    def describe(self) -> str:
+        """E.g. "prompt_too_long: 300 tokens > data.max_prompt_len=256"."""
+        if self.length is None:
+            return self.reason
+        return f"{self.reason}: {self.length} tokens > {self.limit}"
 
 
 @dataclass(frozen=True)
@@ -47,7 +75,8 @@ class MixtureSource:
     """One weighted source of a mixture.
 
     Attributes:
-        examples: a random-access sequence of examples (e.g. an ``ExampleSource``).
+        examples: a random-access sequence of examples (e.g. an ``ExampleSource``, whose ``name``, ``rows``,
+            ``skipped`` and ``skip_examples`` name it and its bad rows in messages and counters).
         weight: the relative sampling weight (>= 0; 0 leaves the source out); normalised over the mixture.
     """
 
@@ -55,11 +84,46 @@ class MixtureSource:
     weight: float = 1.0
 
 
+def source_label(name: str, examples: Sequence[Any]) -> str:
+    """How messages name a source: its config key and its file or task, e.g. "data.sources.train (a.jsonl)"."""
+    origin = getattr(examples, "name", None)
+    return f"data.sources.{name}" + (f" ({origin})" if origin and origin != name else "")
+
+
+@dataclasses.dataclass
+class _SkipNotes:
+    """What a stream remembers about one source's skips for its messages (in memory, not in the state)."""
+
+    logged: int = 0
+    example: str | None = None
+    lengths: dict[str, tuple[int, int, str]] = dataclasses.field(default_factory=dict)
+
+    def add(self, row: int, skip: Skip) -> None:
+        if self.example is None:
+            self.example = f"row {row}: {skip.describe()}"
+        if skip.length is not None:
+            low, high, _ = self.lengths.get(skip.reason, (skip.length, skip.length, skip.limit))
+            self.lengths[skip.reason] = (min(low, skip.length), max(high, skip.length), skip.limit)
+
+
+def _describe_counts(counts: Mapping[str, int], lengths: Mapping[str, tuple[int, int, str]]) -> str:
+    """E.g. "missing_field: 2, prompt_too_long: 998 with 300 to 512 tokens > data.max_prompt_len=256"."""
+    parts = []
+    for reason, n in sorted(counts.items()):
+        text = f"{reason}: {n}"
+        if reason in lengths:
+            low, high, limit = lengths[reason]
+            text += f" with {low} tokens" if low == high else f" with {low} to {high} tokens"
+            text += f" > {limit}" if limit else ""
+        parts.append(text)
+    return ", ".join(parts)
+
+
 class ExampleStream:
     """An iterator over a weighted mixture of sources, deterministic under ``seed``, with exact state.
 
     Args:
-        sources: name -> :class:`MixtureSource`. A source with weight 0 is left out.
+        sources: name (the ``data.sources`` key) -> :class:`MixtureSource`. A source with weight 0 is left out.
         seed: the shuffling seed.
         shuffle: shuffle each source (a new permutation every epoch).
         num_epochs: None repeats every source forever; an int ``E`` hands out each example of every source
@@ -67,8 +131,13 @@ class ExampleStream:
         transform: maps an example (with ``source``/``row`` added) to the item handed out, or to
             :class:`Skip`.
 
-    State (:meth:`get_state`): ``{"draws": int, "positions": {source: draws from it}, "skipped": {reason: n},
-    "taken": {source: n}}``; skipped examples count as draws.
+    State (:meth:`get_state`): ``{"draws": int, "positions": {source: draws from it}, "skipped_by_source":
+    {source: {reason: n}}, "taken": {source: n}}``; skipped examples count as draws. A state written before
+    per-source counts existed (``"skipped": {reason: n}``) restores with those counts at zero.
+
+    Raises:
+        DataError: a source has no usable example: at construction when every row was dropped when it was read,
+            while iterating when its first full pass ends without one (naming the source and the reasons).
     """
 
     def __init__(
@@ -84,12 +153,11 @@ class ExampleStream:
         for name in sorted(sources):
             source = sources[name]
             if source.weight < 0:
-                raise DataError(f"data source {name!r}: weight must be >= 0, got {source.weight}")
+                raise DataError(f"{source_label(name, source.examples)}: weight must be >= 0, got {source.weight}")
             if source.weight == 0:
                 continue
             if len(source.examples) == 0:
-                skipped = dict(getattr(source.examples, "skipped", {}))
-                raise DataError(f"data source {name!r} has no usable examples (skipped rows: {skipped})")
+                raise DataError(_no_usable_rows(name, source.examples))
             active[name] = source
         if not active:
             raise DataError(f"the data mixture has no source with a positive weight: {sorted(sources)}")
@@ -104,9 +172,13 @@ class ExampleStream:
         self._permutations: dict[str, tuple[int, np.ndarray]] = {}
         self._draws = 0
         self._positions = dict.fromkeys(self.names, 0)
-        self._skipped: Counter = Counter()
+        self._skipped: dict[str, Counter] = {name: Counter() for name in self.names}
         self._taken: Counter = Counter()
+        self._notes = {name: _SkipNotes() for name in self.names}
         self._peeked: tuple[int, tuple] | None = None
+
+    def _label(self, name: str) -> str:
+        return source_label(name, self._sources[name].examples)
 
     def _order(self, name: str, epoch: int) -> np.ndarray:
         cached = self._permutations.get(name)
@@ -147,30 +219,70 @@ class ExampleStream:
         return example
 
     def _advance(self) -> tuple:
-        """From the current state, finds the next kept item; returns the state after it and the item."""
-        draws, positions, skips, consecutive = self._draws, dict(self._positions), Counter(), 0
+        """From the current state, finds the next kept item; returns the state after it, its skips and the item.
+
+        Raises:
+            DataError: a source's first pass ended with every example skipped.
+        """
+        draws, positions, skips = self._draws, dict(self._positions), []
         while True:
             try:
                 name = self._choose(draws, positions)
             except StopIteration:
                 # The end of a finite stream: the skips on the way there are final, so record them.
-                self._draws, self._positions = draws, positions
-                self._skipped.update(skips)
+                self._commit(draws, positions, skips)
                 raise
             example = self._example(name, positions[name])
             draws += 1
             positions[name] += 1
             item = self._transform(example) if self._transform is not None else example
             if isinstance(item, Skip):
-                skips[item.reason] += 1
-                consecutive += 1
-                if consecutive >= MAX_CONSECUTIVE_SKIPS:
-                    raise DataError(
-                        f"{consecutive} consecutive examples were skipped ({dict(skips)}); the length budget "
-                        "(max_prompt_len / max_seq_len) leaves nothing to train on"
-                    )
+                skips.append((name, example["row"], item))
+                if positions[name] == len(self._sources[name].examples) and self._taken[name] == 0:
+                    raise DataError(self._nothing_usable(name, skips))
                 continue
             return draws, positions, skips, name, item
+
+    def _nothing_usable(self, name: str, pending: list[tuple[str, int, Skip]]) -> str:
+        """The error for a source whose first pass skipped every example (``pending``: this draw's skips)."""
+        examples = self._sources[name].examples
+        counts = Counter(getattr(examples, "skipped", {})) + self._skipped[name]
+        notes = dataclasses.replace(self._notes[name], lengths=dict(self._notes[name].lengths))
+        for source, row, skip in pending:
+            if source == name:
+                counts[skip.reason] += 1
+                notes.add(row, skip)
+        rows = getattr(examples, "rows", len(examples))
+        what = "rows" if rows != len(examples) else "examples"
+        example = f"; e.g. {notes.example}" if notes.example else ""
+        return (
+            f"{self._label(name)}: all {rows} {what} were skipped ({_describe_counts(counts, notes.lengths)}), "
+            f"nothing is left to train on{example}"
+        )
+
+    def _commit(self, draws: int, positions: dict[str, int], skips: list[tuple[str, int, Skip]]) -> None:
+        """Moves the state to ``draws``/``positions``: counts and logs the skips on the way there."""
+        before, self._draws, self._positions = self._positions, draws, positions
+        for name, row, skip in skips:
+            self._skipped[name][skip.reason] += 1
+            notes = self._notes[name]
+            notes.add(row, skip)
+            if notes.logged < MAX_LOGGED_SKIPS:
+                notes.logged += 1
+                log.warning("%s, row %d skipped (%s)", self._label(name), row, skip.describe())
+        for name in self.names:
+            n = len(self._sources[name].examples)
+            if before[name] < n <= positions[name] and self._skipped[name]:
+                skipped = sum(self._skipped[name].values())
+                log.warning(
+                    "%s: %d of its %d examples were skipped in its first pass (%s); later passes skip the same "
+                    "ones; e.g. %s",
+                    self._label(name),
+                    skipped,
+                    n,
+                    _describe_counts(self._skipped[name], self._notes[name].lengths),
+                    self._notes[name].example,
+                )
 
     def peek(self) -> Any:
         """The next item, without consuming it."""
@@ -184,8 +296,7 @@ class ExampleStream:
     def __next__(self) -> Any:
         self.peek()
         draws, positions, skips, name, item = self._peeked[1]
-        self._draws, self._positions = draws, positions
-        self._skipped.update(skips)
+        self._commit(draws, positions, skips)
         self._taken[name] += 1
         self._peeked = None
         return item
@@ -195,31 +306,54 @@ class ExampleStream:
         return {
             "draws": self._draws,
             "positions": dict(self._positions),
-            "skipped": dict(self._skipped),
+            "skipped_by_source": {name: dict(self._skipped[name]) for name in self.names},
             "taken": dict(self._taken),
         }
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Restores a snapshot from :meth:`get_state` (of a stream built with the same sources and seed)."""
-        missing = {"draws", "positions", "skipped", "taken"} - set(state)
+        missing = {"draws", "positions", "taken"} - set(state)
         if missing:
             raise DataError(f"data iterator state lacks keys {sorted(missing)}: {dict(state)}")
         if set(state["positions"]) != set(self.names):
             raise DataError(
                 f"data iterator state is for sources {sorted(state['positions'])}, this mixture has {self.names}"
             )
+        by_source = state.get("skipped_by_source", {})  # absent in states written before per-source counts
         self._draws = int(state["draws"])
         self._positions = {name: int(state["positions"][name]) for name in self.names}
-        self._skipped = Counter({k: int(v) for k, v in state["skipped"].items()})
+        self._skipped = {name: Counter({k: int(v) for k, v in by_source.get(name, {}).items()}) for name in self.names}
         self._taken = Counter({k: int(v) for k, v in state["taken"].items()})
         self._peeked = None
 
+    def skip_counts(self) -> dict[str, dict[str, int]]:
+        """Every row skipped so far, by source and reason: bad rows dropped when the source was read (kinds such
+        as "malformed_json", from ``examples.skipped``) and examples the transform dropped ("prompt_too_long")."""
+        out = {}
+        for name in self.names:
+            counts = Counter(getattr(self._sources[name].examples, "skipped", {})) + self._skipped[name]
+            if counts:
+                out[name] = dict(counts)
+        return out
+
     @property
     def skipped(self) -> dict[str, int]:
-        """Examples dropped by the transform so far, by reason."""
-        return dict(self._skipped)
+        """Examples dropped by the transform so far, by reason (all sources)."""
+        return dict(sum(self._skipped.values(), Counter()))
 
     @property
     def taken(self) -> dict[str, int]:
         """Examples handed out so far, by source."""
         return dict(self._taken)
+
+
+def _no_usable_rows(name: str, examples: Sequence[Any]) -> str:
+    """The error for a source left empty when it was read (every row bad, or an empty file)."""
+    label = source_label(name, examples)
+    skipped = dict(getattr(examples, "skipped", {}))
+    if not skipped:
+        return f"{label} has no examples"
+    rows = getattr(examples, "rows", sum(skipped.values()))
+    samples = list(getattr(examples, "skip_examples", ()))
+    example = f"; e.g. {samples[0]}" if samples else ""
+    return f"{label}: all {rows} rows were skipped as bad rows ({_describe_counts(skipped, {})}){example}"

@@ -180,4 +180,6 @@ def preference_pairs(source: ExampleSource, *, response_template: str, seed: int
         pair["rejected"] = response_template.format(answer=wrong, question=example["prompt"])
         pair["metadata"] = {**example["metadata"], "rejected_answer": wrong}
         pairs.append(pair)
-    return ExampleSource(f"{source.name}/pairs", pairs, source.skipped, source.rows, source.row_numbers)
+    return ExampleSource(
+        f"{source.name}/pairs", pairs, source.skipped, source.rows, source.row_numbers, source.skip_examples
+    )

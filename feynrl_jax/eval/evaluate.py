@@ -244,9 +244,7 @@ def load_eval_set(config: Any, tokenizer: Any, *, exclude_prompts: set | frozens
             ids.append(prompt_ids)
             texts.append(text)
             examples.append(example)
-    dropped.update(
-        {k.removeprefix("train/data/skipped_"): int(v) for k, v in batches.metrics().items() if "skipped" in k}
-    )
+    dropped.update(batches.skip_counts())
     if not ids:
         raise DataError(f"no evaluation prompts left in split {config.eval.split!r} (dropped: {dropped})")
     return EvalSet(ids, texts, examples, dropped)

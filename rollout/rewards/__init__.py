@@ -4,9 +4,11 @@ Built-in rewards (registered names, imported lazily): ``math_verify`` (math-veri
 ``gsm8k`` (last ``####`` number, exact), ``reasoning_gym`` (the task's own scorer), ``format`` (answer tags),
 ``dapo_overlong`` (DAPO's soft overlong penalty), ``latency`` (waits like a remote judge, scores 0).
 :class:`RewardScorer` runs a weighted sum of them in worker
-processes with a per-call timeout and returns per-reward metrics.
+processes with a per-call timeout and returns per-reward metrics; a reward that fails on too much of a batch
+raises :class:`RewardError` (an ``InputError``, exit code 2).
 
-This package imports neither ``feynrl_jax.losses`` nor ``ray`` nor ``torch``.
+This package imports neither ``feynrl_jax.losses`` nor ``ray`` nor ``torch``; of the rest of the package, only
+``feynrl_jax.errors``.
 """
 
 from feynrl_jax.rollout.rewards.answer_extraction import (
@@ -26,13 +28,14 @@ from feynrl_jax.rollout.rewards.overlong_penalty import (
 )
 from feynrl_jax.rollout.rewards.process_pool import PoolResult, TimeoutProcessPool
 from feynrl_jax.rollout.rewards.registry import RewardFn, available_rewards, register_reward, resolve_reward
-from feynrl_jax.rollout.rewards.scorer import RewardScorer
+from feynrl_jax.rollout.rewards.scorer import RewardError, RewardScorer
 from feynrl_jax.rollout.rewards.weighted_sum import WeightedSum, bind_reward
 
 __all__ = [
     "COMPLETION_LENGTH_KEY",
     "FORMAT_PATTERNS",
     "PoolResult",
+    "RewardError",
     "RewardFn",
     "RewardScorer",
     "TimeoutProcessPool",

@@ -2,11 +2,15 @@
 
 Every reward runs in the :class:`~feynrl_jax.rollout.rewards.process_pool.TimeoutProcessPool` (uniformly safe:
 math-verify's ``signal.alarm`` needs a process's main thread, and any reward may hang); a timeout or an exception
-scores 0 for that reward on that item and is counted in the metrics, never raised.
+(a failed call) scores 0 for that reward on that item, is counted in the metrics and logged (one line per reward
+and batch, with its first error). A reward that fails on more than ``max_failure_frac`` of a batch's items raises
+:class:`RewardError` naming the reward, the fraction and its first error with the item's data row: training on
+its zeros would give zero advantages and learn nothing (e.g. data without the ``answer`` field the reward reads).
 
 Metrics (namespace ``rollout/``), per reward ``<name>`` (the spec string) and for the weighted ``total``:
 ``rollout/reward/<name>/{mean,std,min,max}``; per reward also ``.../timeouts`` and ``.../errors`` (counts in this
-batch); and ``perf/reward/seconds`` (wall time of the call).
+batch) and ``.../failed_frac`` (their sum over the batch size); ``rollout/reward_failed_frac`` (failed calls over
+all calls of the batch, every reward); and ``perf/reward/seconds`` (wall time of the call).
 
 Workers are spawned: a script that builds a scorer must guard its entry point with ``if __name__ == "__main__":``
 (the spawn method re-imports the main module in every worker), and rewards must be importable module-level
@@ -24,13 +28,18 @@ from typing import Any
 
 import numpy as np
 
+from feynrl_jax.errors import InputError
 from feynrl_jax.rollout.rewards.overlong_penalty import COMPLETION_LENGTH_KEY
-from feynrl_jax.rollout.rewards.process_pool import STATUS_ERROR, STATUS_TIMEOUT, TimeoutProcessPool
+from feynrl_jax.rollout.rewards.process_pool import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, TimeoutProcessPool
 from feynrl_jax.rollout.rewards.weighted_sum import bind_reward
 
 logger = logging.getLogger(__name__)
 
 TOTAL = "total"
+
+
+class RewardError(InputError):
+    """A reward failed (raised or timed out) on more than the allowed fraction of a batch; exit code 2."""
 
 
 def _check_signature(name: str, fn: Any) -> None:
@@ -65,6 +74,7 @@ class RewardScorer:
         timeout_s: float = 10.0,
         num_workers: int = 2,
         mp_context: str = "spawn",
+        max_failure_frac: float = 1.0,
     ):
         """Resolves the rewards and starts the worker pool.
 
@@ -78,14 +88,20 @@ class RewardScorer:
           timeout_s: the bound on one reward call on one item, in seconds.
           num_workers: worker processes.
           mp_context: ``"spawn"`` (default) or ``"forkserver"``.
+          max_failure_frac: in [0, 1]; :meth:`score` raises :class:`RewardError` when one reward fails on more
+            than this fraction of a batch's items (the RL loop passes ``rollout.max_reward_failure_frac``).
+            1 never raises (evaluation).
 
         Raises:
           ValueError: on no rewards, a reserved or unknown reward name, a bad import path, a non-finite weight,
-            kwargs for a reward not in ``specs``, or a reward whose required arguments are missing.
+            kwargs for a reward not in ``specs``, a reward whose required arguments are missing, or
+            ``max_failure_frac`` outside [0, 1].
           TypeError: when a reward is not callable or not picklable.
         """
         if not specs:
             raise ValueError("RewardScorer needs at least one reward in specs")
+        if not 0.0 <= max_failure_frac <= 1.0:
+            raise ValueError(f"max_failure_frac must be in [0, 1], got {max_failure_frac!r}")
         reward_kwargs = dict(reward_kwargs or {})
         for name in reward_kwargs:
             if name not in specs:
@@ -104,6 +120,9 @@ class RewardScorer:
             self.weights[i] = float(weight)
             functions.append(fn)
         self.timeout_s = float(timeout_s)
+        self.max_failure_frac = float(max_failure_frac)
+        self.last_errors: list[tuple[int, str, str]] = []
+        """``(item, reward name, message)`` of every failed call of the last batch (the example errors)."""
         self._pool = TimeoutProcessPool(functions, num_workers=num_workers, timeout_s=timeout_s, mp_context=mp_context)
 
     @property
@@ -146,6 +165,7 @@ class RewardScorer:
 
         Raises:
           ValueError: when the lengths disagree or an example is not a mapping (naming the row).
+          RewardError: a reward failed on more than ``max_failure_frac`` of the items.
         """
         start = time.perf_counter()
         n = len(prompts)
@@ -168,8 +188,12 @@ class RewardScorer:
             rows.append((prompts[i], completions[i], example))
 
         result = self._pool.map(rows)
-        for row, index, message in result.errors[:3]:
-            logger.warning("reward %r failed on row %d: %s", self.names[index], row, message)
+        errors = sorted(result.errors)  # the pool lists them in the order the workers finished
+        self.last_errors = [(row, self.names[index], message) for row, index, message in errors]
+        failed = result.status != STATUS_OK  # [N, K]
+        for i, name in enumerate(self.names):
+            if failed[:, i].any():
+                self._check_failures(name, i, failed[:, i], errors, examples)
 
         total = result.values @ self.weights if n else np.zeros(0)
         per_reward = {name: result.values[:, i].astype(np.float32) for i, name in enumerate(self.names)}
@@ -178,9 +202,37 @@ class RewardScorer:
             metrics.update(_summary(f"rollout/reward/{name}", result.values[:, i]))
             metrics[f"rollout/reward/{name}/timeouts"] = float(np.sum(result.status[:, i] == STATUS_TIMEOUT))
             metrics[f"rollout/reward/{name}/errors"] = float(np.sum(result.status[:, i] == STATUS_ERROR))
+            metrics[f"rollout/reward/{name}/failed_frac"] = float(np.mean(failed[:, i])) if n else 0.0
+        metrics["rollout/reward_failed_frac"] = float(np.mean(failed)) if n else 0.0
         metrics.update(_summary(f"rollout/reward/{TOTAL}", total))
         metrics["perf/reward/seconds"] = time.perf_counter() - start
         return total.astype(np.float32), per_reward, metrics
+
+    def _check_failures(
+        self,
+        name: str,
+        index: int,
+        failed: np.ndarray,
+        errors: list[tuple[int, int, str]],
+        examples: Sequence[Mapping[str, Any]],
+    ) -> None:
+        """Logs one line for reward ``name``'s failed calls (``failed [N]``); raises when they are too many.
+
+        ``errors`` are the batch's ``(item, reward index, message)``, sorted; the first of this reward is quoted.
+        """
+        row, message = next((r, m) for r, k, m in errors if k == index)
+        count = f"reward {name!r} failed on {int(failed.sum())}/{failed.size} completions"
+        first = f"first error, row {row}{_data_row(examples[row])}: {message}"
+        if failed.mean() > self.max_failure_frac:
+            raise RewardError(f"{count} (limit rollout.max_reward_failure_frac={self.max_failure_frac:g}); {first}")
+        logger.warning("%s; %s", count, first)
+
+
+def _data_row(example: Mapping[str, Any]) -> str:
+    """`` (data.sources.<source>, row <r>)`` when the example carries the mixture's ``source`` and ``row``."""
+    if "source" in example and "row" in example:
+        return f" (data.sources.{example['source']}, row {example['row']})"
+    return ""
 
 
 def _summary(prefix: str, values: np.ndarray) -> dict[str, float]:
