@@ -192,7 +192,7 @@ def test_config_and_cli_start_light(folder):
             in_folder(i, folder)
             and i.top_level
             and under(i.module, "feynrl_jax")
-            and not under(i.module, "feynrl_jax.config", "feynrl_jax.cli")
+            and not under(i.module, "feynrl_jax.config", "feynrl_jax.cli", "feynrl_jax.errors")
         )
     )
 

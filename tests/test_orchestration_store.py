@@ -40,7 +40,7 @@ def test_readers_fetch_whole_verified_versions_while_the_writer_publishes(ray_se
 
     store = ParamStoreActor.remote()
     assert fetch_params(store) is None
-    publish_params(store, params_for(0), 0)
+    publish_params(store, params_for(0), 0, timeout_s=60)
     errors, seen = [], []
     stop = threading.Event()
 
@@ -61,7 +61,7 @@ def test_readers_fetch_whole_verified_versions_while_the_writer_publishes(ray_se
     thread.start()
     held = []
     for version in range(1, 12):
-        publish_params(store, params_for(version), version)
+        publish_params(store, params_for(version), version, timeout_s=60)
         held.append(ray.get(store.versions_held.remote()))
     stop.set()
     thread.join()

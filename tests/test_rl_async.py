@@ -93,6 +93,7 @@ def test_trainer_and_rollout_workers_are_pinned_to_their_cores(ray_session, tmp_
     config.rollout.num_workers = 2
     run = _Run(config)
     try:
+        run.start_actors()
         assert ray.get(run.trainer.cpu_cores.remote()) == [0]
         assert [ray.get(w.status.remote())["cpu_cores"] for w in run.workers] == [[1], [1]]
     finally:

@@ -9,6 +9,12 @@
 The config is loaded, its command-line overrides checked and the whole config validated before anything heavy
 is imported: a misspelt key fails in well under a second, naming the key and the closest valid one. The
 subcommands' implementations are imported only when they run.
+
+Errors. A run that stops on purpose prints one line, `feynrl-jax: error: <what to fix>`, and exits with
+2 for bad input (config, data file, checkpoint, tokenizer, reward output, full disk: `errors.InputError`,
+`OSError`) or 1 for a run that cannot go on (diverged, an actor lost for good: `errors.RunFailed`). `train` and
+`eval` keep a log of the run in `<run_dir>/run.log` (appended to by every attempt), where the traceback of such an
+error goes; anything else is a bug and prints its traceback.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 from absl import app, flags
@@ -26,9 +34,11 @@ from ml_collections import ConfigDict, config_flags
 from feynrl_jax.config.errors import ConfigError
 from feynrl_jax.config.overrides import check_overrides, parse_argv
 from feynrl_jax.config.validation import validate
+from feynrl_jax.errors import EXIT_BAD_INPUT, InputError, RunFailed, unwrap
 
 USAGE = __doc__.split("\n\n")[1]
 EXIT_USAGE = 2  # Bad command line or config.
+RUN_LOG = "run.log"
 EXIT_NOT_BUILT = 3  # The subcommand's implementation does not exist yet.
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -138,7 +148,28 @@ def _validated_config(command: str) -> ConfigDict:
     if config is None:
         raise CommandError(f"`feynrl-jax {command}` needs --config=configs/<name>.py.")
     validate(config)
+    _log_to(os.path.join(config.run_dir, RUN_LOG))
     return config
+
+
+_run_log: str | None = None
+
+
+def _log_to(path: str) -> None:
+    """Appends this process's log records (INFO and above) to `path`, the run's log file."""
+    global _run_log
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        handler = logging.FileHandler(path)
+    except OSError as e:
+        raise CommandError(f"cannot write the run log {path}: {e.strerror or e}") from e
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    _run_log = path
 
 
 def train(operands: list[str]) -> None:
@@ -212,6 +243,44 @@ COMMANDS: dict[str, Callable[[list[str]], None]] = {
 }
 
 
+def _append_traceback(path: str, headline: str, error: BaseException) -> bool:
+    """Appends `headline` and the traceback of `error` to the run log; False when the file cannot be written."""
+    try:
+        with open(path, "a") as f:
+            f.write(f"{headline}\n{''.join(traceback.format_exception(error))}")
+        return True
+    except OSError:  # a full disk, e.g.: the one-line error is all the user gets
+        return False
+
+
+REPORTED = (ConfigError, CommandError, InputError, RunFailed, OSError)
+"""Errors printed as one line (their traceback goes to the run log); anything else is a bug."""
+
+
+def reported_error(error: BaseException) -> BaseException | None:
+    """The error behind `error` to report as one line: through Ray's wrappers and `raise ... from` chains."""
+    seen = set()
+    todo = [error]
+    while todo:
+        e = unwrap(todo.pop(0))
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, REPORTED):
+            return e
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def error_line(error: BaseException) -> str:
+    """One line (or a config's problem list) saying what went wrong and what it concerns."""
+    if isinstance(error, OSError) and not isinstance(error, InputError | RunFailed):
+        what = error.strerror or str(error) or type(error).__name__
+        where = " -> ".join(str(f) for f in (error.filename, error.filename2) if f)
+        return f"{what}: {where}" if where else what
+    return str(error)
+
+
 def main(argv: list[str]) -> None:
     """Dispatches `argv[1]` (the subcommand) with the remaining positional arguments."""
     if len(argv) < 2 or argv[1] not in COMMANDS:
@@ -219,8 +288,14 @@ def main(argv: list[str]) -> None:
         _exit(f"{given}commands: {', '.join(COMMANDS)}.\n{USAGE}", EXIT_USAGE)
     try:
         COMMANDS[argv[1]](argv[2:])
-    except (ConfigError, CommandError) as e:
-        _exit(str(e), getattr(e, "exit_code", EXIT_USAGE))
+    except Exception as e:
+        reported = reported_error(e)
+        if reported is None:
+            raise
+        message = error_line(reported)
+        if _run_log is not None and _append_traceback(_run_log, f"feynrl-jax {argv[1]} failed: {message}", e):
+            message += f" (traceback: {_run_log})"
+        _exit(message, getattr(reported, "exit_code", EXIT_BAD_INPUT))
 
 
 def run() -> None:

@@ -14,6 +14,7 @@ config names them; the driver only moves numpy records between them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from feynrl_jax.orchestration.liveness import CONCURRENCY_GROUPS, LIVENESS_GROUP, get_within
 from feynrl_jax.orchestration.param_store import (
     DoubleBufferedStore,
     StoreError,
@@ -36,12 +38,44 @@ from feynrl_jax.orchestration.runtime import pin_cpu_cores
 log = logging.getLogger(__name__)
 
 
-@ray.remote
+@contextlib.contextmanager
+def kept_until_ready(actor: Any):
+    """Keeps an error of an actor's construction in `actor.init_error`, for its `ready()` to raise.
+
+    Ray reports an exception raised in `__init__` as an `ActorDiedError` that holds only the traceback's text;
+    raised by a method instead, it reaches the driver as itself (a `ConfigError`, an `InputError`) and the command
+    line reports it in one line.
+    """
+    actor.init_error = None
+    try:
+        yield
+    except Exception as error:
+        log.exception("construction of %s failed", type(actor).__name__)
+        actor.init_error = error
+
+
+def ready(actor: Any) -> int:
+    """The process id once `actor` is constructed; raises the error its construction kept, if any."""
+    if actor.init_error is not None:
+        raise actor.init_error
+    return os.getpid()
+
+
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class ParamStoreActor:
     """A `DoubleBufferedStore` whose leaves are Ray object references (each wrapped in a one-element list)."""
 
     def __init__(self):
         self._store = DoubleBufferedStore()
+        self.init_error = None
+
+    def ready(self) -> int:
+        return ready(self)
+
+    @ray.method(concurrency_group=LIVENESS_GROUP)
+    def ping(self) -> int:
+        """The process id; answered by its own thread (`liveness`)."""
+        return os.getpid()
 
     def begin(self, version: int) -> None:
         self._store.begin(version)
@@ -69,19 +103,28 @@ class ParamStoreActor:
         return self._store.versions_held()
 
 
-def publish_params(store: Any, params: Any, version: int) -> dict[str, float]:
+def publish_params(store: Any, params: Any, version: int, *, timeout_s: float) -> dict[str, float]:
     """Publishes host `params` (a nested dict of numpy arrays) as `version`: begin, write, flip.
+
+    Args:
+        store: the `ParamStoreActor`.
+        params: host params.
+        version: the policy version.
+        timeout_s: bound on each call to the store (`ray.stall_timeout_s`).
 
     Returns:
         `perf/publish_bytes` and `perf/publish_put_seconds`.
+
+    Raises:
+        ActorStalled: the store did not answer within `timeout_s`.
     """
     t0 = time.perf_counter()
     leaves = {name: np.asarray(leaf) for name, leaf in flatten_params(params).items()}
     checksum = checksum_leaves(leaves)
-    ray.get(store.begin.remote(version))
+    get_within(store.begin.remote(version), name="parameter store", timeout_s=timeout_s)
     refs = {name: [ray.put(leaf)] for name, leaf in leaves.items()}
-    ray.get(store.write.remote(version, refs))
-    ray.get(store.publish.remote(version, checksum))
+    get_within(store.write.remote(version, refs), name="parameter store", timeout_s=timeout_s)
+    get_within(store.publish.remote(version, checksum), name="parameter store", timeout_s=timeout_s)
     return {
         "perf/publish_bytes": float(sum(leaf.nbytes for leaf in leaves.values())),
         "perf/publish_put_seconds": time.perf_counter() - t0,
@@ -107,9 +150,13 @@ class ParamsSnapshot:
     checksum: int
 
 
-def latest_snapshot(store: Any) -> ParamsSnapshot | None:
-    """The store's published version as a `ParamsSnapshot`, or None before the first publish."""
-    snapshot = ray.get(store.latest.remote())
+def latest_snapshot(store: Any, *, timeout_s: float | None = None) -> ParamsSnapshot | None:
+    """The store's published version as a `ParamsSnapshot`, or None before the first publish.
+
+    Raises:
+        ActorStalled: the store did not answer within `timeout_s` (None: no bound).
+    """
+    snapshot = get_within(store.latest.remote(), name="parameter store", timeout_s=timeout_s)
     return None if snapshot is None else ParamsSnapshot(*snapshot)
 
 
@@ -146,7 +193,7 @@ def worker_name(run_dir: str, index: int) -> str:
     return f"rollout_worker_{index}@{os.path.abspath(run_dir)}"
 
 
-@ray.remote
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class RolloutWorker:
     """Owns a `NativeEngine`; loads the params of the version each `generate` call names.
 
@@ -169,20 +216,27 @@ class RolloutWorker:
         index: int,
         cpu_cores: Sequence[int] = (),
     ):
-        pin_cpu_cores(cpu_cores)
-        from feynrl_jax.checkpoints import load_tokenizer
-
         self.model_config, self.index = model_config, index
         self.engine_kwargs = dict(
             num_slots=num_slots, cache_len=cache_len, decode_steps_per_dispatch=decode_steps_per_dispatch
         )
-        self.tokenizer = load_tokenizer(tokenizer_dir)
         self.engine = None
         self.version = -1
         self.generating = False
         self.generate_calls = 0
+        with kept_until_ready(self):
+            pin_cpu_cores(cpu_cores)
+            from feynrl_jax.checkpoints import load_tokenizer
 
-    def pid(self) -> int:
+            self.tokenizer = load_tokenizer(tokenizer_dir)
+
+    def ready(self) -> int:
+        """The process id; raises what the construction raised."""
+        return ready(self)
+
+    @ray.method(concurrency_group=LIVENESS_GROUP)
+    def ping(self) -> int:
+        """The process id; answered by its own thread (`liveness`) while a generation runs."""
         return os.getpid()
 
     def status(self) -> dict[str, Any]:
@@ -249,9 +303,10 @@ class RolloutWorker:
             self.generating = False
 
 
-@ray.remote
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class RewardWorker:
-    """A `RewardScorer` (timeout-safe process pool) inside an actor."""
+    """A `RewardScorer` (timeout-safe process pool) inside an actor; it raises `RewardError` when more than
+    `max_failure_frac` of a batch's calls of one reward fail (`rollout.max_reward_failure_frac`)."""
 
     def __init__(
         self,
@@ -260,12 +315,27 @@ class RewardWorker:
         reward_kwargs: Mapping[str, Mapping[str, Any]],
         timeout_s: float,
         num_workers: int,
+        max_failure_frac: float,
     ):
-        from feynrl_jax.rollout.rewards import RewardScorer
+        with kept_until_ready(self):
+            from feynrl_jax.rollout.rewards import RewardScorer
 
-        self.scorer = RewardScorer(
-            dict(specs), reward_kwargs=dict(reward_kwargs), timeout_s=timeout_s, num_workers=num_workers
-        )
+            self.scorer = RewardScorer(
+                dict(specs),
+                reward_kwargs=dict(reward_kwargs),
+                timeout_s=timeout_s,
+                num_workers=num_workers,
+                max_failure_frac=max_failure_frac,
+            )
+
+    def ready(self) -> int:
+        """The process id; raises what the construction raised."""
+        return ready(self)
+
+    @ray.method(concurrency_group=LIVENESS_GROUP)
+    def ping(self) -> int:
+        """The process id; answered by its own thread (`liveness`) while scoring runs."""
+        return os.getpid()
 
     def score(
         self,
@@ -280,7 +350,7 @@ class RewardWorker:
         self.scorer.close()
 
 
-@ray.remote
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class TrainerActor:
     """Runs `RLTrainer` (train step, state, reference, critic, checkpoints, evaluation) and publishes params.
 
@@ -290,23 +360,38 @@ class TrainerActor:
     """
 
     def __init__(self, config: Any, store: Any):
-        pin_cpu_cores(config.train.cpu_cores)
-        from feynrl_jax.train.rl_trainer import RLTrainer
-
-        self.trainer = RLTrainer(config)
         self.store = store
+        self.store_timeout_s = config.ray.stall_timeout_s
+        with kept_until_ready(self):
+            pin_cpu_cores(config.train.cpu_cores)
+            from feynrl_jax.train.rl_trainer import RLTrainer
+
+            self.trainer = RLTrainer(config)
+
+    def ready(self) -> int:
+        """The process id; raises what the construction raised (a bad checkpoint, a mesh that does not fit)."""
+        return ready(self)
+
+    @ray.method(concurrency_group=LIVENESS_GROUP)
+    def ping(self) -> int:
+        """The process id; answered by its own thread (`liveness`) while a step runs."""
+        return os.getpid()
 
     def start(self) -> dict[str, Any]:
         """Builds or restores the state and publishes it; returns where the run starts (`Restored` fields)."""
         restored = self.trainer.start()
-        publish_params(self.store, self.trainer.host_params(), restored.policy_version)
+        publish_params(self.store, self.trainer.host_params(), restored.policy_version, timeout_s=self.store_timeout_s)
         return dataclasses.asdict(restored)
 
     def train(self, rollouts: Any, rewards: np.ndarray, **kwargs: Any) -> dict[str, float]:
         """`RLTrainer.train`, then publishes the new version; adds `perf/publish_seconds`."""
         metrics = self.trainer.train(rollouts, rewards, **kwargs)
         t0 = time.perf_counter()
-        metrics.update(publish_params(self.store, self.trainer.host_params(), self.trainer.policy_version))
+        metrics.update(
+            publish_params(
+                self.store, self.trainer.host_params(), self.trainer.policy_version, timeout_s=self.store_timeout_s
+            )
+        )
         metrics["perf/publish_seconds"] = time.perf_counter() - t0
         return metrics
 

@@ -46,6 +46,7 @@ from ml_collections import ConfigDict
 from feynrl_jax.config.derived import batch_plan, checkpoint_every, effective_off_policy
 from feynrl_jax.config.validation import validate
 from feynrl_jax.data.from_config import build_mixture_from_config
+from feynrl_jax.errors import RunFailed
 from feynrl_jax.orchestration.actors import (
     ParamsSnapshot,
     ParamStoreActor,
@@ -55,16 +56,26 @@ from feynrl_jax.orchestration.actors import (
     latest_snapshot,
     worker_name,
 )
+from feynrl_jax.orchestration.liveness import (
+    WORKER_FAILURES,
+    ActorStalled,
+    get_alive,
+    get_within,
+    restart,
+    wait_until_alive,
+)
 from feynrl_jax.orchestration.pipeline import RolloutPipeline, Scored, restore_state, staleness_metrics
 from feynrl_jax.orchestration.runtime import ACTOR_CPUS, start_ray
 from feynrl_jax.rollout.types import FINISH_LENGTH, Rollouts, SamplingParams
 from feynrl_jax.tracking import Tracker
 from feynrl_jax.train import run_setup
 from feynrl_jax.train.rl_batch import concat_rollouts, constant_reward_groups, select_rows
+from feynrl_jax.train.run_lock import RunLock
 
 log = logging.getLogger(__name__)
 
-_WORKER_FAILURES = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+STARTUP_TIMEOUT_S = 900.0
+"""Bound on constructing the actors (loading a model, starting the reward pool) before liveness pings apply."""
 
 
 def rollout_sampling(config: ConfigDict, tokenizer: Any, seed: int) -> SamplingParams:
@@ -85,25 +96,6 @@ def rollout_sampling(config: ConfigDict, tokenizer: Any, seed: int) -> SamplingP
     )
 
 
-def wait_until_alive(actor: Any, *, name: str, timeout_s: float = 600.0) -> None:
-    """Blocks while Ray restarts `actor` (calls to a restarting actor fail at once instead of waiting).
-
-    Raises:
-        RuntimeError: the actor is dead for good (out of restarts) or not back within `timeout_s`.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            ray.get(actor.pid.remote(), timeout=timeout_s)
-            return
-        except ray.exceptions.ActorUnavailableError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not come back within {timeout_s:.0f} s") from None
-            time.sleep(0.2)
-        except ray.exceptions.RayActorError as error:
-            raise RuntimeError(f"{name} is dead and out of restarts (ray.max_restarts): {error}") from error
-
-
 def generate(
     workers: list[Any],
     prompts: list[list[int]],
@@ -111,12 +103,15 @@ def generate(
     snapshot: ParamsSnapshot,
     *,
     max_retries: int,
+    stall_timeout_s: float,
     delay_s: float = 0.0,
 ) -> tuple[Rollouts, dict[str, float]]:
-    """Splits `prompts` between the workers, generates with `snapshot`'s params, retries chunks of dead workers.
+    """Splits `prompts` between the workers, generates with `snapshot`'s params, retries chunks of lost workers.
 
-    Chunk `i` is sampled with seed `sampling.seed + i` and the same params on its first try and on any retry, so
-    a retried chunk reproduces exactly what the dead worker would have returned.
+    A worker is lost when its process dies or when it stops answering liveness pings for `stall_timeout_s`
+    (then its process is killed so that Ray restarts it). Chunk `i` is sampled with seed `sampling.seed + i` and
+    the same params on its first try and on any retry, so a retried chunk reproduces exactly what the lost
+    worker would have returned.
 
     Returns:
         `(rollouts, stats)`: stats hold `lost` (chunks lost to dead workers), `generated_tokens`,
@@ -140,18 +135,23 @@ def generate(
             for i in pending
         }
         for i, ref in refs.items():
+            name = f"rollout worker {i}"
             try:
-                results[i] = ray.get(ref)
-            except _WORKER_FAILURES as error:
+                results[i] = get_alive(ref, workers[i], name=name, stall_timeout_s=stall_timeout_s)
+            except ActorStalled as error:
                 lost += 1
-                log.warning("rollout worker %d died during generation (attempt %d): %s", i, attempt + 1, error)
+                log.warning("%s (attempt %d); restarting it", error, attempt + 1)
+                restart(workers[i], name=name)
+            except WORKER_FAILURES as error:
+                lost += 1
+                log.warning("%s died during generation (attempt %d): %s", name, attempt + 1, error)
         pending = [i for i in pending if i not in results]
         for i in pending:
             wait_until_alive(workers[i], name=f"rollout worker {i}")
         if not pending:
             break
     if pending:
-        raise RuntimeError(
+        raise RunFailed(
             f"rollout worker(s) {pending} failed {max_retries + 1} times in one step; raise rollout.max_retries "
             "or ray.max_restarts, or look at the worker logs"
         )
@@ -185,12 +185,41 @@ def rollout_metrics(scored: Scored, *, success_threshold: float, correctness_rew
     }
 
 
-def _score(reward: Any, tokenizer: Any, rollouts: Rollouts, texts: list[str], examples: list[dict]) -> Scored:
-    completions = [tokenizer.decode(ids, skip_special_tokens=True) for ids in rollouts.completions()]
-    rewards, per_reward, metrics = ray.get(
-        reward.score.remote(texts, completions, examples, rollouts.completion_lengths)
+def score(
+    reward: Any,
+    completions: list[str],
+    texts: list[str],
+    examples: list[dict],
+    lengths: np.ndarray,
+    *,
+    max_retries: int,
+    stall_timeout_s: float,
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float], int]:
+    """Scores completions on the reward actor; a reward actor that dies or stalls is restarted and the call retried.
+
+    Scoring is a pure function of its inputs, so a retried call returns what the lost one would have.
+
+    Returns:
+        `(rewards, per_reward, metrics, retries)`.
+
+    Raises:
+        RunFailed: the call still failed after `max_retries` retries.
+    """
+    for attempt in range(max_retries + 1):
+        try:
+            ref = reward.score.remote(texts, completions, examples, lengths)
+            rewards, per_reward, metrics = get_alive(ref, reward, name="reward scorer", stall_timeout_s=stall_timeout_s)
+            return np.asarray(rewards, np.float32), dict(per_reward), dict(metrics), attempt
+        except ActorStalled as error:
+            log.warning("%s (attempt %d); restarting it", error, attempt + 1)
+            restart(reward, name="reward scorer")
+        except WORKER_FAILURES as error:
+            log.warning("reward scorer died while scoring (attempt %d): %s", attempt + 1, error)
+        wait_until_alive(reward, name="reward scorer")
+    raise RunFailed(
+        f"the reward scorer failed {max_retries + 1} times in one step; raise rollout.max_retries or "
+        "ray.max_restarts, or look at the reward actor's log"
     )
-    return Scored(rollouts, np.asarray(rewards, np.float32), dict(per_reward), dict(metrics))
 
 
 def _merge_scored(parts: list[Scored]) -> Scored:
@@ -225,10 +254,22 @@ class _Run:
         self.config = config
         self.plan = batch_plan(config)
         self.rollout_delay = rollout_delay
-        source = run_setup.resolve_model_source(config.model, config.run_dir)  # converts a GGUF once, here
-        self.tokenizer = run_setup.load_run_tokenizer(source)
-        model_config = run_setup.model_config(config.model, source, self.tokenizer)
+        # Model, tokenizer and data first: a bad file fails here, before Ray starts.
+        self.source = run_setup.resolve_model_source(config.model, config.run_dir)  # converts a GGUF once, here
+        self.tokenizer = run_setup.load_run_tokenizer(self.source)
+        self.model_config = run_setup.model_config(config.model, self.source, self.tokenizer)
+        self.prompts = build_mixture_from_config(
+            config.data, self.tokenizer, paradigm="rl", batch_size=self.plan.prompts_per_step
+        )
         run_setup.write_resolved_config(config, config.run_dir)
+        self.lost_batches = 0
+        self.reward_retries = 0
+        self.store = self.trainer = self.reward = None
+        self.workers: list[Any] = []
+
+    def start_actors(self) -> None:
+        """Creates the parameter store, the trainer, the rollout workers and the reward scorer (Ray is up)."""
+        config, model_config, source = self.config, self.model_config, self.source
         self.store = ParamStoreActor.options(num_cpus=ACTOR_CPUS["store"]).remote()
         self.trainer = TrainerActor.options(num_cpus=ACTOR_CPUS["trainer"]).remote(config, self.store)
         restarts = dict(max_restarts=config.ray.max_restarts, max_task_retries=0)
@@ -251,14 +292,25 @@ class _Run:
             reward_kwargs={name: dict(kwargs) for name, kwargs in config.rollout.reward_kwargs.items()},
             timeout_s=config.rollout.reward_timeout_s,
             num_workers=config.rollout.reward_workers,
+            max_failure_frac=config.rollout.max_reward_failure_frac,
         )
-        self.prompts = build_mixture_from_config(
-            config.data, self.tokenizer, paradigm="rl", batch_size=self.plan.prompts_per_step
-        )
-        self.lost_batches = 0
+
+    def named_actors(self) -> list[tuple[Any, str]]:
+        named = [(self.store, "parameter store"), (self.trainer, "trainer"), (self.reward, "reward scorer")]
+        named += [(w, f"rollout worker {i}") for i, w in enumerate(self.workers)]
+        return [(a, n) for a, n in named if a is not None]
+
+    def wait_ready(self) -> None:
+        """Waits until every actor is constructed; raises the first construction error (a bad checkpoint, ...).
+
+        Liveness pings are answered only once an actor exists, so the stall clock starts after this.
+        """
+        refs = [(actor.ready.remote(), actor, name) for actor, name in self.named_actors()]
+        for ref, _, name in refs:
+            get_within(ref, name=name, timeout_s=max(STARTUP_TIMEOUT_S, self.config.ray.stall_timeout_s))
 
     def actors(self) -> list[Any]:
-        return [self.trainer, self.reward, self.store, *self.workers]
+        return [a for a in (self.trainer, self.reward, self.store, *self.workers) if a is not None]
 
     def _generate_scored(self, seed: int, snapshot: ParamsSnapshot) -> tuple[Scored, dict[str, float]]:
         batch = next(self.prompts)
@@ -270,15 +322,24 @@ class _Run:
             sampling,
             snapshot,
             max_retries=self.config.rollout.max_retries,
+            stall_timeout_s=self.config.ray.stall_timeout_s,
             delay_s=self.rollout_delay(seed) if self.rollout_delay else 0.0,
         )
         rollout_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         n = self.config.rollout.n_samples
-        scored = _score(
-            self.reward, self.tokenizer, rollouts, _repeat(batch.prompt_texts, n), _repeat(batch.examples, n)
+        completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in rollouts.completions()]
+        rewards, per_reward, reward_metrics, retries = score(
+            self.reward,
+            completions,
+            _repeat(batch.prompt_texts, n),
+            _repeat(batch.examples, n),
+            rollouts.completion_lengths,
+            max_retries=self.config.rollout.max_retries,
+            stall_timeout_s=self.config.ray.stall_timeout_s,
         )
-        timing = {"rollout": rollout_seconds, "reward": time.perf_counter() - t1, **stats}
+        scored = Scored(rollouts, rewards, per_reward, reward_metrics)
+        timing = {"rollout": rollout_seconds, "reward": time.perf_counter() - t1, "reward_retries": retries, **stats}
         return scored, timing
 
     def collect(self, seed: int, snapshot: ParamsSnapshot) -> tuple[Scored, dict[str, float]]:
@@ -313,10 +374,12 @@ class _Run:
                 }
             )
         self.lost_batches += int(totals["lost"])
+        self.reward_retries += int(totals["reward_retries"])
         metrics.update(
             {
                 "rollout/lost_batches": float(self.lost_batches),
                 "rollout/lost_batches_this_step": totals["lost"],
+                "rollout/reward_retries": float(self.reward_retries),
                 "rollout/generated_tokens": totals["generated_tokens"],
                 "rollout/tokens_per_second": totals["generated_tokens"] / max(totals["rollout"], 1e-9),
                 "rollout/slot_utilisation": totals["slot_utilisation"],
@@ -325,16 +388,32 @@ class _Run:
                 "perf/reward_seconds": totals["reward"],
             }
         )
+        metrics.update(self.prompts.metrics())  # rows skipped (by reason and source), examples taken per source
         return scored, metrics
+
+    def on_trainer(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Calls a trainer method and waits for it, watched by liveness pings (a stalled trainer ends the run)."""
+        ref = getattr(self.trainer, method).remote(*args, **kwargs)
+        return get_alive(ref, self.trainer, name="trainer", stall_timeout_s=self.config.ray.stall_timeout_s)
+
+    def snapshot(self) -> ParamsSnapshot | None:
+        """The store's front version (bounded by `ray.stall_timeout_s`)."""
+        return latest_snapshot(self.store, timeout_s=self.config.ray.stall_timeout_s)
 
     def evaluate(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics = ray.get(self.trainer.evaluate.remote(step))
+        metrics = self.on_trainer("evaluate", step)
         return {**metrics, "perf/eval_seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
         try:
-            ray.get([self.trainer.close.remote(), self.reward.close.remote()])
+            for actor, name in ((self.trainer, "trainer"), (self.reward, "reward scorer")):
+                if actor is None:
+                    continue
+                try:
+                    get_within(actor.close.remote(), name=name, timeout_s=max(self.config.ray.stall_timeout_s, 60))
+                except (ActorStalled, *WORKER_FAILURES) as error:
+                    log.warning("closing the %s failed: %s", name, error)
         finally:
             for actor in self.actors():
                 ray.kill(actor, no_restart=True)
@@ -359,24 +438,28 @@ def run(config: ConfigDict, *, rollout_delay: Callable[[int], float] | None = No
     if config.paradigm != "rl":
         raise ValueError(f"rl_loop.run needs config.paradigm='rl', got {config.paradigm!r}")
     validate(config, num_devices=jax.device_count())
-    started = start_ray(config.ray)
-    try:
-        return _train(config, rollout_delay)
-    finally:
-        if started:
-            ray.shutdown()
+    with RunLock(config.run_dir):
+        driver = _Run(config, rollout_delay)
+        started = start_ray(config.ray)
+        try:
+            return _train(driver)
+        finally:
+            if started:
+                ray.shutdown()
 
 
 def _checkpoint_due(config: ConfigDict, step: int) -> bool:
     return step % checkpoint_every(config) == 0 or step == config.train.steps
 
 
-def _train(config: ConfigDict, rollout_delay: Callable[[int], float] | None) -> dict[str, float]:
+def _train(driver: _Run) -> dict[str, float]:
+    config = driver.config
     wall0 = time.perf_counter()
-    driver = _Run(config, rollout_delay)
     pipeline = None
     try:
-        restored = ray.get(driver.trainer.start.remote())
+        driver.start_actors()
+        driver.wait_ready()
+        restored = driver.on_trainer("start")
         log.info("trainer ready after %.1f s", time.perf_counter() - wall0)
         start, version = restored["step"], restored["policy_version"]
         in_flight = []
@@ -408,7 +491,7 @@ def _train(config: ConfigDict, rollout_delay: Callable[[int], float] | None) -> 
             rng=rng,
             restored=in_flight,
         )
-        pipeline.publish(version, latest_snapshot(driver.store))
+        pipeline.publish(version, driver.snapshot())
         evaluate = config.eval.during_training
         tracker = Tracker(
             config.run_dir,
@@ -443,19 +526,15 @@ def _train(config: ConfigDict, rollout_delay: Callable[[int], float] | None) -> 
                 metrics["perf/trainer_wait_seconds"] = waited
                 t1 = time.perf_counter()
                 metrics.update(
-                    ray.get(
-                        driver.trainer.train.remote(
-                            rollouts, scored.rewards, step=step, shuffle_seed=batch.shuffle_seed
-                        )
-                    )
+                    driver.on_trainer("train", rollouts, scored.rewards, step=step, shuffle_seed=batch.shuffle_seed)
                 )
                 version = int(metrics["train/policy_version"])
-                pipeline.publish(version, latest_snapshot(driver.store))
+                pipeline.publish(version, driver.snapshot())
                 metrics["perf/train_seconds"] = time.perf_counter() - t1
                 if _checkpoint_due(config, step):
                     t2 = time.perf_counter()
                     rng_after, data_state = pipeline.checkpoint_state(step)
-                    ray.get(driver.trainer.save.remote(step, rng_after, data_state, force=step == config.train.steps))
+                    driver.on_trainer("save", step, rng_after, data_state, force=step == config.train.steps)
                     metrics["perf/checkpoint_seconds"] = time.perf_counter() - t2
                 if evaluate and (
                     step == config.train.steps or (config.train.eval_every and step % config.train.eval_every == 0)

@@ -1,7 +1,10 @@
 """Starting Ray: a local instance sized to this machine, or a connection to an existing cluster.
 
-Local start (`ray.address` unset): `ray.init` with the machine's CPUs (or `ray.num_cpus`), no dashboard, and
-token authentication off (`RAY_AUTH_MODE=disabled`, so nothing is written to `~/.ray`). Actors ask for
+Local start (`ray.address` unset): `ray.init` with the machine's CPUs (or `ray.num_cpus`), no dashboard, every
+Ray process (GCS, raylet, workers, actors) listening on 127.0.0.1 only, and therefore token authentication off
+(`RAY_AUTH_MODE=disabled`, so nothing is written to `~/.ray`): nothing of a local run is reachable from another
+machine. A remote cluster (`ray.address` set) keeps the environment's authentication: start it with
+`RAY_AUTH_MODE=token` and give the driver the same `RAY_AUTH_TOKEN`. Actors ask for
 fractional CPUs (`ACTOR_CPUS`) so the trainer, the rollout workers, the reward scorer and the parameter store
 all fit on a 2-CPU laptop; they share the cores in time unless `train.cpu_cores` / `rollout.cpu_cores` pin the
 trainer and the rollout workers to cores of their own (`pin_cpu_cores`), which lets async RL overlap them.
@@ -35,7 +38,6 @@ def start_ray(ray_cfg: ConfigDict) -> bool:
     """
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray_cfg.address:
         log.info("connecting to the Ray cluster at %s", ray_cfg.address)
@@ -48,6 +50,8 @@ def start_ray(ray_cfg: ConfigDict) -> bool:
         )
         return True
     num_cpus = ray_cfg.num_cpus or os.cpu_count() or 1
+    listen_on_loopback_only()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray's memory monitor kills actors when the *machine* is nearly full, whoever uses the memory; on a shared
     # workstation that kills a healthy run. Locally it is off unless the environment turns it on.
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
@@ -64,6 +68,20 @@ def start_ray(ray_cfg: ConfigDict) -> bool:
     )
     log.info("started a local Ray instance with %d CPUs", num_cpus)
     return True
+
+
+def listen_on_loopback_only() -> None:
+    """Makes the local Ray instance that `ray.init` starts next listen on 127.0.0.1 only.
+
+    Ray's servers listen on the node's IP address, which on Linux is the machine's outward address unless Ray
+    runs as a single-machine cluster: then the node IP is the loopback address (what Ray does by default on
+    macOS and Windows) and every server, worker and actor binds to it. The environment variable reaches the
+    processes Ray starts; the constant is what this process, which imported Ray already, reads.
+    """
+    from ray._private import ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def stop_ray() -> None:
