@@ -97,8 +97,10 @@ def test_sigkill_at_three_points_then_resume_is_bitwise_identical(workspace):
         )
     harness.wait_success(harness.start_train(f"{config}:interrupted", env), timeout=600)
 
-    # The interrupted chain re-ran some steps (a step logged after the last checkpoint is logged again).
-    assert len(harness.logged_steps(run_dir)) > TOTAL_STEPS
+    # The interrupted chain re-ran the steps logged after each last checkpoint; a resumed run drops their old
+    # records from metrics.jsonl, so every step is logged exactly once.
+    assert all(r <= k for r, k in zip(resumed_from, kill_points, strict=True)), (resumed_from, kill_points)
+    assert harness.logged_steps(run_dir) == list(range(1, TOTAL_STEPS + 1))
     assert resumed_from == sorted(resumed_from)
     keys = ("train/loss", "train/grad_norm", "train/learning_rate", "loss/nll")
     harness.assert_same_metrics(str(root / "straight"), run_dir, keys, total_steps=TOTAL_STEPS)

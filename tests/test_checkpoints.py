@@ -174,7 +174,51 @@ def _missing_config(folder):
     return ["config.json", str(folder)]
 
 
+def _rewrite_tensor(folder, name, change):
+    """Rewrites the shard holding tensor `name` with `change(array)` in its place; returns the shard's name."""
+    from safetensors.numpy import load_file, save_file
+
+    shard = json.load(open(folder / "model.safetensors.index.json"))["weight_map"][name]
+    tensors = load_file(folder / shard)
+    tensors[name] = change(tensors[name])
+    save_file(tensors, folder / shard, metadata={"format": "pt"})
+    return shard
+
+
+def _integer_tensor(folder):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    shard = _rewrite_tensor(folder, name, lambda x: np.round(x * 100).astype(np.int32))
+    return [shard, name, "I32", "floating point"]
+
+
+def _nan_tensor(folder):
+    name = "model.layers.2.mlp.down_proj.weight"
+
+    def poison(x):
+        x = x.copy()
+        x[3, 5] = np.nan
+        return x
+
+    return [_rewrite_tensor(folder, name, poison), name, "NaN"]
+
+
+def _inf_bfloat16_tensor(folder):
+    import ml_dtypes
+
+    name = "model.norm.weight"
+
+    def poison(x):
+        x = x.astype(ml_dtypes.bfloat16)
+        x[-1] = -np.inf
+        return x
+
+    return [_rewrite_tensor(folder, name, poison), name, "infinite"]
+
+
 BAD_CHECKPOINTS = {
+    "integer tensor": (_integer_tensor, CheckpointError),
+    "NaN in a tensor": (_nan_tensor, CheckpointError),
+    "inf in a bfloat16 tensor": (_inf_bfloat16_tensor, CheckpointError),
     "missing shard": (_missing_shard, CheckpointError),
     "wrong tensor shape": (_wrong_shape, CheckpointError),
     "unknown architecture": (_unknown_architecture, ValueError),
@@ -194,6 +238,14 @@ def test_bad_checkpoint_errors_name_file_and_tensor(case, tmp_path):
         load_hf(folder)
     for text in expected:
         assert text in str(err.value), (text, str(err.value))
+
+
+def test_bfloat16_and_float16_checkpoints_load(tmp_path):
+    params = _random_params(CONFIG)
+    for dtype in ("bfloat16", "float16"):
+        config = dataclasses.replace(CONFIG, param_dtype=dtype)
+        loaded, _ = load_hf(export_hf(params, config, tmp_path / dtype), config=config)
+        assert loaded["final_norm"]["scale"].dtype == dtype
 
 
 BAD_TOKENIZERS = {

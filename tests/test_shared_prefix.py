@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from feynrl_jax.models import ModelConfig, init_params, sequence_logprobs
+from feynrl_jax.models import config as model_config
 from feynrl_jax.models.attention import packed_mask
 from feynrl_jax.models.segments import predecessor_index
 from feynrl_jax.rollout.types import FINISH_LENGTH, Rollouts
@@ -105,14 +106,19 @@ def test_mask_continuations_see_their_prompt_not_their_siblings():
     assert plain[2].tolist() == [False, False, True, False]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logprobs_and_gradients_equal_the_row_layout(name):
-    config = CONFIGS[name]
-    params = _params(config)
-    rollouts = _rollouts()
-    (tokens, positions, segments), shared, seq_len = _layouts(rollouts)
+def _layout_outputs(config: ModelConfig, params, rollouts: Rollouts) -> tuple[dict, dict]:
+    """Log-probabilities, entropies and the gradient of `sum(weights * logprobs)`, in the row and shared layouts.
+
+    Returns:
+        `(rows, shared)`, each `{"logprobs": [C], "entropy": [C], "gradient": {path: leaf}}` in the model's dtype,
+        C the completion tokens in the same order (indexed directly: `SharedPrefixRows.unpack` returns float32).
+    """
+    (tokens, positions, segments), shared, _ = _layouts(rollouts)
     weights = np.random.default_rng(1).normal(size=tokens.shape).astype(np.float32)
-    shared_weights = shared.pack(weights)
+    valid = shared.sample_row >= 0
+    row, column = shared.sample_row[valid], shared.sample_column[valid]
+    mask = np.zeros_like(weights)
+    mask[row, column] = 1.0
 
     def objective(params, tokens, positions, segments, weights, first_column):
         lp, ent = sequence_logprobs(
@@ -127,17 +133,84 @@ def test_logprobs_and_gradients_equal_the_row_layout(name):
         return jnp.sum(lp * weights), (lp, ent)
 
     grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=5)
-    mask = np.zeros_like(weights)
-    mask[shared.sample_row[shared.sample_row >= 0], shared.sample_column[shared.sample_row >= 0]] = 1.0
-    (_, (lp_rows, ent_rows)), g_rows = grad(params, tokens, positions, segments, weights * mask, 1)
-    (_, (lp_shared, ent_shared)), g_shared = grad(
-        params, shared.tokens, shared.positions, shared.segment_ids, shared_weights, shared.prompt_width
+
+    def outputs(lp, ent, gradient, at):
+        leaves = jax.tree_util.tree_leaves_with_path(gradient)
+        return {
+            "logprobs": np.asarray(lp)[at],
+            "entropy": np.asarray(ent)[at],
+            "gradient": {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves},
+        }
+
+    (_, (lp, ent)), g = grad(params, tokens, positions, segments, weights * mask, 1)
+    rows = outputs(lp, ent, g, (row, column))
+    (_, (lp, ent)), g = grad(
+        params, shared.tokens, shared.positions, shared.segment_ids, shared.pack(weights), shared.prompt_width
     )
-    np.testing.assert_allclose(shared.unpack(np.asarray(lp_shared), seq_len), np.asarray(lp_rows) * mask, atol=2e-5)
-    np.testing.assert_allclose(shared.unpack(np.asarray(ent_shared), seq_len), np.asarray(ent_rows) * mask, atol=2e-5)
-    assert np.abs(np.asarray(lp_rows) * mask).sum() > 1.0  # the comparison is not between zeros
-    for a, b in zip(jax.tree.leaves(g_rows), jax.tree.leaves(g_shared)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-5)
+    return rows, outputs(lp, ent, g, valid)
+
+
+def _in_float64(config: ModelConfig, params, rollouts: Rollouts, monkeypatch) -> tuple[dict, dict]:
+    """Runs `_layout_outputs` on the same weights with every float computed in float64.
+
+    The model has no float64 mode: `ModelConfig` accepts float32, bfloat16 and float16, and the decoder keeps its
+    RMSNorm statistics, attention scores, RoPE angles and logits in `jnp.float32` on purpose (for bfloat16
+    compute). Under x64, pointing `jnp.float32` at float64 while the model is traced lifts those too; the model's
+    code runs otherwise unchanged.
+    """
+    with monkeypatch.context() as patch, jax.enable_x64(True):
+        patch.setattr(model_config, "DTYPES", (*model_config.DTYPES, "float64"))
+        config = dataclasses.replace(config, param_dtype="float64", compute_dtype="float64")
+        patch.setattr(jnp, "float32", jnp.float64)
+        params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+        return _layout_outputs(config, params, rollouts)
+
+
+def _assert_close(actual: dict, reference: dict, *, forward_tol: float, gradient_tol: float):
+    """Elementwise `|actual - reference| <= tol * (scale + |reference|)`.
+
+    The scale is the largest |reference| for log-probabilities and entropies, and the 2-norm of the whole
+    reference gradient for every gradient leaf: rounding errors grow with the sums they come from, not with the
+    element, so a purely relative test would fail on gradient entries that cancel to near 0.
+    """
+    for key in ("logprobs", "entropy"):
+        scale = np.abs(reference[key]).max()
+        np.testing.assert_allclose(
+            actual[key], reference[key], rtol=forward_tol, atol=forward_tol * scale, err_msg=key
+        )
+    norm = np.sqrt(sum(np.sum(np.square(leaf)) for leaf in reference["gradient"].values()))
+    for path, leaf in reference["gradient"].items():
+        np.testing.assert_allclose(
+            actual["gradient"][path], leaf, rtol=gradient_tol, atol=gradient_tol * norm, err_msg=path
+        )
+
+
+# In float64 the two layouts agree to within 1e-15 of the gradient's norm on these models (log-probabilities
+# exactly): the same arithmetic in a different order. 1e-9 is float64's eps (2.2e-16) times the float32 bound
+# below times a margin of 4,000 for other CPUs' summation orders; a real difference (a key masked wrongly, a
+# position off by one) moves the gradient by more than 1e-3 of its norm.
+FLOAT64_TOL = 1e-9
+# float32 results, either layout, against the float64 reference. The forward pass is well conditioned (within
+# 2 float32 eps of the largest |log-prob| here). The backward pass through QK-norm is not, at these weights:
+# rounding the weights to float32 once moves the float64 q_norm/k_norm gradients by 4e-5 of their norm, and a
+# float32 backward pass lands up to 77 eps from the reference (gradient norm as the unit; 1 to 4 eps without
+# QK-norm). Two layouts on one CPU share most of their rounding; on another CPU's kernels they need not (up to
+# 4.5e-4 apart on one with AVX-512), so each is compared with the reference, with a margin of 13 over the worst.
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+FLOAT32_FORWARD_TOL = 64 * FLOAT32_EPS
+FLOAT32_GRADIENT_TOL = 1024 * FLOAT32_EPS
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logprobs_and_gradients_equal_the_row_layout(name, monkeypatch):
+    """The layouts compute the same function: equal in float64, and in float32 each within rounding of it."""
+    config, params, rollouts = CONFIGS[name], _params(CONFIGS[name]), _rollouts()
+    rows64, shared64 = _in_float64(config, params, rollouts, monkeypatch)
+    assert rows64["logprobs"].dtype == np.float64 and rows64["gradient"]["['embed']['embedding']"].dtype == np.float64
+    assert np.abs(rows64["logprobs"]).sum() > 1.0  # the comparison is not between zeros
+    _assert_close(shared64, rows64, forward_tol=FLOAT64_TOL, gradient_tol=FLOAT64_TOL)
+    for float32 in _layout_outputs(config, params, rollouts):
+        _assert_close(float32, rows64, forward_tol=FLOAT32_FORWARD_TOL, gradient_tol=FLOAT32_GRADIENT_TOL)
 
 
 def test_critic_values_equal_the_row_layout():

@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import math
 import os
 
@@ -77,19 +78,98 @@ def test_wandb_runs_offline_without_an_api_key(tmp_path, monkeypatch):
     assert wandb_mode() == "online"
 
 
-def test_read_metrics_keeps_the_last_line_of_a_step_and_ignores_a_cut_line(tmp_path):
+def test_read_metrics_keeps_the_last_line_of_a_step_and_skips_malformed_lines_with_a_warning(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text(
         '{"step": 1, "time": 0, "loss/total": 3}\n{"step": 2, "time": 1, "loss/total": 2}\n'
         '{"step": 2, "time": 2, "loss/total": 1.5}\n{"step": 3, "ti'
     )
-    records = read_metrics(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="feynrl_jax.tracking.metrics_file"):
+        records = read_metrics(str(tmp_path))
     assert [(r["step"], r["loss/total"]) for r in records] == [(1, 3), (2, 1.5)]
-    path.write_text('{"step": 1, "time": 0}\n{oops\n{"step": 2, "time": 0}\n')
-    with pytest.raises(ValueError, match="line 2"):
-        read_metrics(str(tmp_path))
+    assert "line 4 (the last, cut short by a crash?)" in caplog.text and str(path) in caplog.text
+    caplog.clear()
+    # A damaged line in the middle (e.g. a cut line that a later run appended to) is skipped too, naming it.
+    path.write_text('{"step": 1, "time": 0}\n{"step": 2, "ti{"step": 2, "time": 5}\n[1, 2]\n{"step": 3, "time": 0}\n')
+    with caplog.at_level(logging.WARNING, logger="feynrl_jax.tracking.metrics_file"):
+        assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 3]
+    assert (
+        "line 2:" in caplog.text
+        and 'line 3: skipping a malformed metrics record (not a JSON object with an integer "step")' in caplog.text
+    )
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         read_metrics(str(tmp_path / "elsewhere"))
+
+
+def _crashed_run(run_dir, last_step, cut='{"step": 6, "time": 9, "loss/to'):
+    """A metrics file as a run leaves it when it is killed while writing the line after `last_step`."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "time": s, "loss/total": 1.0 / s}) + "\n" for s in range(1, last_step + 1))
+        f.write(cut)
+
+
+def test_a_resumed_tracker_drops_the_cut_line_and_the_steps_it_will_log_again(tmp_path, caplog):
+    run_dir = str(tmp_path / "run")
+    _crashed_run(run_dir, 5)
+    with caplog.at_level(logging.WARNING, logger="feynrl_jax.tracking.metrics_file"):
+        with Tracker(run_dir, initial_step=3, progress_bar=False) as tracker:  # resumed from checkpoint step 3
+            for step in (4, 5, 6):
+                tracker.log(step, {"loss/total": 10.0 * step})
+    assert "a partial last line" in caplog.text and "2 line(s) of steps after 3" in caplog.text
+    records = lines(run_dir)  # every line parses: the file stayed valid JSONL
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss/total"] for r in records[3:]] == [40.0, 50.0, 60.0]
+    assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl.tmp"))
+    # A fresh loop (initial step 0) drops what a run that never checkpointed had logged, but keeps step 0.
+    _crashed_run(run_dir, 3, cut="")
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 0, "time": 0, "eval/accuracy": 0.5}) + "\n")
+    with Tracker(run_dir, initial_step=0, progress_bar=False) as tracker:
+        tracker.log(1, {"loss/total": 7.0})
+    assert [(r["step"], r.get("loss/total")) for r in lines(run_dir)] == [(0, None), (1, 7.0)]
+
+
+def test_a_tracker_outside_a_loop_keeps_whole_lines_and_still_drops_a_cut_one(tmp_path, caplog):
+    run_dir = str(tmp_path / "run")
+    _crashed_run(run_dir, 5)
+    with Tracker(run_dir, progress_bar=False) as tracker:
+        tracker.log(9, {"eval/accuracy": 0.25})
+    assert [r["step"] for r in lines(run_dir)] == [1, 2, 3, 4, 5, 9]
+    # A whole last record without its newline (written by hand) is kept, and the next line starts afresh.
+    _crashed_run(run_dir, 2, cut='{"step": 3, "time": 3}')
+    with Tracker(run_dir, progress_bar=False) as tracker:
+        tracker.log(4, {"loss/total": 1.0})
+    assert [r["step"] for r in lines(run_dir)] == [1, 2, 3, 4]
+
+
+def test_each_line_is_one_unbuffered_write(tmp_path, monkeypatch):
+    from feynrl_jax.tracking import metrics_file
+
+    calls = []
+    real_write = os.write
+
+    def spy(fd, data):
+        calls.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(metrics_file.os, "write", spy)
+    run_dir = str(tmp_path / "run")
+    with Tracker(run_dir, progress_bar=False) as tracker:
+        tracker.log(1, {f"train/m{i}": float(i) for i in range(2000)})  # a line far longer than a buffer
+        assert len(calls) == 1 and calls[0].endswith(b"\n") and calls[0].count(b"\n") == 1
+        assert lines(run_dir)[0]["train/m1999"] == 1999.0  # on disk at once, nothing held in a buffer
+        tracker.log(2, {"loss/total": 0.5})
+    assert len(calls) == 2
+
+
+def test_plot_run_survives_a_line_cut_by_a_crash_and_a_resume_after_it(tmp_path):
+    run_dir = str(tmp_path / "run")
+    _crashed_run(run_dir, 5)
+    assert [os.path.basename(p) for p in plot_run(run_dir)] == ["loss.png"]  # the `feynrl-jax plot` of a crash
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:  # an old-style resume appended to the cut line
+        f.write(json.dumps({"step": 6, "time": 6, "loss/total": 0.1}) + "\n")
+    assert [os.path.basename(p) for p in plot_run(run_dir)] == ["loss.png"]  # the end-of-run plot
 
 
 def test_plot_run_writes_pngs_for_the_metrics_that_exist(tmp_path):

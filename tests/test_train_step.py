@@ -12,7 +12,9 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from feynrl_jax.losses import ALGORITHMS, TrainBatch, compute_metrics
@@ -159,7 +161,9 @@ def test_nonfinite_gradient_skips_the_update_and_the_guard_stops_the_run():
     assert max_relative_difference(jax.tree.map(np.asarray, state.params), initial_params()) == 0.0
     guard.check(metrics, step=1)  # one skip is tolerated
     state, metrics = train_step(state, train_step.place_batch(bad))
-    with pytest.raises(NonFiniteError, match=r"non-finite gradient or loss for 2 consecutive steps at step 2"):
+    with pytest.raises(
+        NonFiniteError, match=r"non-finite gradient, loss or updated weights for 2 consecutive steps at step 2"
+    ):
         guard.check(metrics, step=2)
     # A finite batch applies the update and resets the streak, keeping the total.
     state, metrics = train_step(state, train_step.place_batch(make_batch("grpo", seed=0)))
@@ -168,6 +172,35 @@ def test_nonfinite_gradient_skips_the_update_and_the_guard_stops_the_run():
     guard.check(metrics)
     # ... and gives exactly the first update of the run that never saw the bad batches.
     assert max_relative_difference(jax.tree.map(np.asarray, state.params), run("grpo", "single").params[0]) == 0.0
+
+
+def test_nan_learning_rate_skips_the_update_and_a_run_of_only_skips_fails():
+    # A finite gradient with a NaN step size (optim.lr=nan) gives NaN weights: the step must not apply them.
+    sizes, rules = MESHES["fsdp8"]
+    step = make_train_step(
+        ALGORITHMS["grpo"].make_loss(**HYPERPARAMETERS["grpo"]),
+        optax.adamw(lambda count: jnp.full((), jnp.nan)),
+        make_mesh(*sizes),
+        RULES[rules],
+        predict=model_logprob_fn(CONFIG, chunk_size=8),
+        params_spec=ParamsSpec.of_model(CONFIG),
+        compiler_options=FAST_COMPILE,
+    )
+    state = step.init_state(initial_params())
+    opt_before = jax.tree.map(np.asarray, state.opt_state)
+    guard = NonFiniteGuard(max_consecutive=3)
+    for i in range(2):
+        state, metrics = step(state, step.place_batch(make_batch("grpo", seed=i)))
+        guard.check(metrics, step=i + 1)
+        values = compute_metrics(metrics)
+        assert np.isfinite(values["train/grad_norm"]) and np.isfinite(values["train/loss"])
+        assert values["train/update_skipped"] == 1.0 and values["train/nonfinite_total"] == i + 1
+    assert int(state.step) == 0 and int(state.nonfinite_streak) == 2
+    assert max_relative_difference(jax.tree.map(np.asarray, state.params), initial_params()) == 0.0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.opt_state), opt_before)
+    # Under the streak limit, yet the run trained nothing: the end-of-run check fails it.
+    with pytest.raises(NonFiniteError, match="every update of the run was skipped"):
+        guard.finish()
 
 
 def test_batch_size_that_does_not_split_is_rejected_before_running():

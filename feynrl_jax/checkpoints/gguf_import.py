@@ -3,7 +3,8 @@
 `convert_gguf(path, out_dir)` reads hyperparameters and the tokenizer from the GGUF metadata, dequantises every
 tensor to float32 with the `gguf` package (Q4_0, Q4_1, Q8_0, K-quants, F16, ...), undoes llama.cpp's q/k row
 permutation, and writes safetensors (float32) + `config.json` (llama) + tokenizer files (tokenizer.json,
-tokenizer_config.json, chat template) through `export_hf`.
+tokenizer_config.json, chat template) through `export_hf`. An integer tensor, or one that dequantises to NaN or
+infinite values, is refused with the GGUF file and the tensor named.
 
 The q/k permutation: llama.cpp's converter reorders the rows of `q_proj`/`k_proj` in every head from the
 "rotate half" layout of HF checkpoints (pairs `i, i + Dh/2`) to the interleaved layout (pairs `2i, 2i + 1`):
@@ -41,6 +42,9 @@ from feynrl_jax.models.config import ModelConfig
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+
+# GGML tensor types that hold integers: never weights (every float and quantised type dequantises to float32).
+_INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 
 # HF tensor name (as in hf_names) -> GGUF tensor name.
 _GGUF_NAMES = {
@@ -128,8 +132,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> st
 
     Raises:
         FileNotFoundError: no such GGUF file.
-        ValueError / CheckpointError: unsupported architecture, missing metadata or tensor, wrong tensor shape;
-            the message names the file and the key or tensor.
+        ValueError / CheckpointError: unsupported architecture, missing metadata or tensor, wrong tensor shape,
+            an integer tensor type, NaN or infinite values; the message names the file and the key or tensor.
     """
     import gguf
 
@@ -147,9 +151,19 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> st
         if gguf_name not in tensors:
             raise CheckpointError(f"{source}: tensor {gguf_name!r} not found")
         t = tensors[gguf_name]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        kind = gguf.GGMLQuantizationType(t.tensor_type).name
+        if kind in _INTEGER_TYPES:
+            raise CheckpointError(f"{source}: tensor {gguf_name!r} has integer type {kind}; weights must be floating")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError as e:
+            raise CheckpointError(
+                f"{source}: tensor {gguf_name!r} has type {kind}, which gguf cannot dequantise"
+            ) from e
         if tuple(w.shape) != tuple(hf_shape):
             raise CheckpointError(f"{source}: tensor {gguf_name!r} has shape {tuple(w.shape)}, expected {hf_shape}")
+        if not np.isfinite(w).all():
+            raise CheckpointError(f"{source}: tensor {gguf_name!r} holds NaN or infinite values")
         if gguf_name.endswith("attn_q.weight"):
             w = _unpermute(w, config.num_heads)
         elif gguf_name.endswith("attn_k.weight"):

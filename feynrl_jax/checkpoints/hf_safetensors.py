@@ -3,6 +3,8 @@
 Loading goes tensor by tensor through `safetensors.safe_open`: a stacked parameter is assembled layer by layer
 in one preallocated host array, placed on devices with its sharding, and released before the next parameter
 is read, so host memory never holds a second full copy of the model (the peak is one stacked parameter).
+Every tensor is checked as it is read: its shape, a floating-point dtype (`WEIGHT_DTYPES`; an integer tensor
+would be cast into nonsense) and finite values (one host pass over it); the error names the file and the tensor.
 
 Export writes safetensors shards, `config.json` and the tokenizer files into a temporary folder next to the
 destination and renames it into place: a failure leaves nothing half-written.
@@ -44,8 +46,26 @@ TOKENIZER_FILES = (
 )
 
 
+# Safetensors dtypes a weight may be stored in; anything else (integers, bool, FP8 without its scales) would be
+# cast to the param dtype into meaningless numbers.
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
 class CheckpointError(InputError, ValueError):
-    """A checkpoint file is missing, truncated or holds a tensor of the wrong shape; the message names it."""
+    """A checkpoint file is missing, truncated or holds a tensor of the wrong shape, dtype or values.
+
+    The message names the file and the tensor.
+    """
+
+
+def nonfinite(array: np.ndarray) -> bool:
+    """Whether a host array holds a NaN or an infinity (bfloat16 by its exponent bits; integers never)."""
+    if array.dtype == jnp.bfloat16:
+        # Exponent all ones: infinity or NaN. ml_dtypes' isfinite is a slow Python-level ufunc.
+        return bool(array.size) and bool((array.view(np.uint16) & 0x7FFF).max() >= 0x7F80)
+    if not np.issubdtype(array.dtype, np.inexact):
+        return False
+    return not bool(np.isfinite(array).all())
 
 
 class _TensorIndex:
@@ -88,7 +108,10 @@ class _TensorIndex:
         return name in self.weight_map
 
     def read(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
-        """Reads one tensor, checking its shape; errors name the file and the tensor."""
+        """Reads one tensor, checking its shape, dtype (`WEIGHT_DTYPES`) and values (all finite).
+
+        Errors name the file and the tensor.
+        """
         if name not in self.weight_map:
             files = sorted(set(self.weight_map.values()))
             raise CheckpointError(f"tensor {name!r} not found in {self.folder} (files: {files})")
@@ -96,15 +119,24 @@ class _TensorIndex:
         path = os.path.join(self.folder, file)
         handle = self._open(file)
         try:
-            shape = tuple(handle.get_slice(name).get_shape())
+            view = handle.get_slice(name)
+            shape, dtype = tuple(view.get_shape()), view.get_dtype()
         except SafetensorError as e:
             raise CheckpointError(f"{path}: tensor {name!r} is listed in the index but not in the file ({e})") from e
         if shape != tuple(expected_shape):
             raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, expected {tuple(expected_shape)}")
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {dtype}; weights must be floating point "
+                f"({', '.join(WEIGHT_DTYPES)})"
+            )
         try:
-            return handle.get_tensor(name)
+            tensor = handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e
+        if nonfinite(tensor):
+            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values")
+        return tensor
 
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
@@ -131,8 +163,8 @@ def load_hf(
         `(params, config)`; params in `config.param_dtype`, placed with `shardings`.
 
     Raises:
-        CheckpointError: missing shard, missing/truncated file, missing tensor, wrong shape (the message names
-            the file and the tensor).
+        CheckpointError: missing shard, missing/truncated file, missing tensor, wrong shape, a dtype that is not
+            floating point, NaN or infinite values (the message names the file and the first such tensor).
         ValueError: unknown architecture in `config.json`.
     """
     folder = os.fspath(path)

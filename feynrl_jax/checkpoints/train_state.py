@@ -12,20 +12,33 @@ One checkpoint step is a folder `<run_dir>/checkpoints/<step>/` with five orbax 
 
 Atomicity. Orbax writes a step into `<step>.orbax-checkpoint-tmp-<n>` and renames it to `<step>` only after
 every item and the step metadata are on disk (`AtomicRenameTemporaryPath`); a rename is atomic on POSIX file
-systems, so a process killed at any moment leaves either a complete step folder or a temporary one, which
-`latest_step` ignores and the next `TrainCheckpointer` removes. Old steps beyond `keep` are first renamed into
-`checkpoints/_deleted/` (atomic) and only then removed, so a kill during clean-up never leaves a half-deleted
-folder under a step name either.
+systems, so a process killed at any moment leaves either a complete step folder or a temporary one, which the
+next `TrainCheckpointer` removes. Old steps beyond `keep` are first renamed into `checkpoints/_deleted/`
+(atomic) and only then removed, so a kill during clean-up never leaves a half-deleted folder under a step name
+either.
+
+Committed and usable steps. Orbax lists every folder with a step's name; this module trusts only a committed
+one: a step folder whose commit marker orbax wrote on finalize, `commit_success.txt` (orbax >= 0.12) or a
+`commit_timestamp_nsecs` in its step metadata `_CHECKPOINT_METADATA` (every supported version). A folder
+without either (copied in part, or a marker removed) is not a checkpoint: it is never listed or restored, and
+a writing `TrainCheckpointer` moves it into `checkpoints/_unusable/` at start-up. A committed step can still
+be damaged later (a truncated or deleted file, a corrupt JSON item, a bad array): `restore()` without a step
+then logs why and falls back to the previous committed step, and moves the damaged folder into `_unusable/`
+as well, so it neither blocks the re-save of its step nor counts toward `keep` (orbax's `max_to_keep` keeps
+the newest `keep` step folders it lists, damaged or not, and would delete the intact fallback first). Nothing
+is ever deleted for being unusable; when no step is usable, nothing is moved and the run stops with an
+`InputError` naming every step's problem.
 
 Saves are asynchronous: `save` returns once the arrays are copied off the accelerator; the files are written
-by a background thread while training continues. The next save (or `wait_until_finished`/`close`) waits for
-the previous one.
+by a background thread while training continues. The next save (or `wait_until_finished`/`close`, or a
+restore) waits for the previous one.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -37,12 +50,58 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from feynrl_jax.checkpoints.hf_safetensors import CheckpointError
+from feynrl_jax.errors import InputError
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_SUBDIR = "checkpoints"
 DELETED_SUBDIR = "_deleted"
+UNUSABLE_SUBDIR = "_unusable"  # step folders set aside (uncommitted or damaged), never deleted by this module
 ITEMS = ("state", "data", "rng", "progress", "config")
 TMP_MARKER = ".orbax-checkpoint-tmp"  # in the name of a step folder that is still being written
+COMMIT_MARKER = ocp.path.atomicity.COMMIT_SUCCESS_FILE  # "commit_success.txt", written by orbax >= 0.12 on finalize
+STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's step metadata; finalize sets its commit_timestamp_nsecs
+READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
+"""What reading a damaged step raises: missing files (OSError), bad JSON or arrays (ValueError, from tensorstore
+too), JSON of the wrong layout (KeyError, TypeError)."""
+
+
+class MissingCheckpoint(InputError, FileNotFoundError):
+    """No checkpoint folder, no committed step, or not the requested step; the message names the folder."""
+
+
+def _is_committed(step_dir: str) -> bool:
+    """Whether orbax finalized `step_dir`: its commit marker, or a commit time in its step metadata."""
+    if os.path.isfile(os.path.join(step_dir, COMMIT_MARKER)):
+        return True
+    try:
+        with open(os.path.join(step_dir, STEP_METADATA), encoding="utf-8") as f:
+            metadata = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(metadata, dict) and isinstance(metadata.get("commit_timestamp_nsecs"), int)
+
+
+def _step_folders(directory: str) -> dict[int, str]:
+    """Every folder of `directory` named like a step (digits), committed or not: step -> path."""
+    if not os.path.isdir(directory):
+        return {}
+    return {
+        int(name): os.path.join(directory, name)
+        for name in os.listdir(directory)
+        if name.isdigit() and os.path.isdir(os.path.join(directory, name))
+    }
+
+
+def _committed_steps(directory: str) -> list[int]:
+    return sorted(step for step, path in _step_folders(directory).items() if _is_committed(path))
+
+
+def _reason(error: BaseException) -> str:
+    """A one-line account of a read error (orbax's and tensorstore's messages can span many lines)."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,11 +216,12 @@ class TrainCheckpointer:
         self.read_only = read_only
         if read_only:
             if not os.path.isdir(self.directory):
-                raise FileNotFoundError(f"no checkpoint folder {self.directory}")
+                raise MissingCheckpoint(f"no checkpoint folder {self.directory}")
         else:
             os.makedirs(self.directory, exist_ok=True)
             self._purge_deleted()
             self._remove_unfinished()
+            self._set_aside_uncommitted()
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=1,  # the interval is decided here (`force` must be able to override it)
             max_to_keep=keep,
@@ -176,12 +236,13 @@ class TrainCheckpointer:
     # -- queries ---------------------------------------------------------------------------------------------
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None when the folder holds no complete checkpoint."""
-        return self._manager.latest_step()
+        """The newest committed step (see the module docstring), or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Every committed step, ascending (temporary folders of unfinished saves are never listed)."""
-        return sorted(self._manager.all_steps())
+        """Every committed step, ascending (unfinished saves and folders without a commit marker are left out)."""
+        return [step for step in sorted(self._manager.all_steps()) if _is_committed(self._step_dir(step))]
 
     def should_save(self, step: int) -> bool:
         """Whether `save(step, ...)` would write (the interval rule, and not already saved)."""
@@ -223,26 +284,66 @@ class TrainCheckpointer:
     def restore(self, abstract_state: Any, *, step: int | None = None) -> tuple[Any, RunProgress]:
         """Restores a committed step into the shapes, dtypes and shardings of `abstract_state`.
 
+        Without `step`, the newest committed step that reads back is restored: a damaged one (a missing or
+        truncated file, corrupt JSON, a bad array) is skipped with a warning naming its folder and why, and the
+        previous one is tried. Once one restores, the skipped folders are moved into `checkpoints/_unusable/`
+        (not in a read-only checkpointer), so the run can save their steps again and `keep` counts only
+        usable steps.
+
         Args:
             abstract_state: the target pytree, leaves `jax.ShapeDtypeStruct` with `sharding` set (see
                 `abstract_like`), or concrete arrays whose shardings are reused.
-            step: the step to restore; the newest committed one when None.
+            step: the step to restore (no fall-back); the newest usable one when None.
 
         Returns:
             `(state, progress)`.
 
         Raises:
-            FileNotFoundError: no committed checkpoint (or not `step`) exists.
-            ValueError: the checkpoint's tree does not match `abstract_state` (names the mismatch).
+            MissingCheckpoint: no committed checkpoint, or `step` is not a committed step.
+            CheckpointError: `step` (or, without `step`, every committed step) cannot be read, naming each
+                step folder and its problem; or the saved train state does not match `abstract_state` (tree or
+                shapes: the model or optimizer changed), naming the step folder and the first difference.
         """
-        steps = self._manager.all_steps()
-        if step is None:
-            step = self._manager.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
-        elif step not in steps:
-            raise FileNotFoundError(f"checkpoint step {step} not found in {self.directory}; committed: {sorted(steps)}")
+        self._manager.wait_until_finished()  # a save of this checkpointer still in flight commits first
         target = abstract_like(abstract_state)
+        if step is not None:
+            self._require_step(step)
+            try:
+                return self._restore_step(step, target)
+            except CheckpointError:
+                raise
+            except READ_ERRORS as error:
+                raise CheckpointError(
+                    f"checkpoint step folder {self._step_dir(step)} cannot be read: {_reason(error)}"
+                ) from error
+        steps = self.all_steps()
+        if not steps:
+            raise MissingCheckpoint(f"no committed checkpoint in {self.directory}")
+        skipped: dict[int, str] = {}
+        for candidate in reversed(steps):
+            try:
+                restored = self._restore_step(candidate, target)
+            except CheckpointError:  # a mismatch, not damage: every older step would fail the same way
+                raise
+            except READ_ERRORS as error:
+                skipped[candidate] = _reason(error)
+                log.warning(
+                    "checkpoint step folder %s cannot be read (%s); trying the previous committed step",
+                    self._step_dir(candidate),
+                    skipped[candidate],
+                )
+                continue
+            if skipped:
+                self._set_aside_damaged(skipped, candidate)
+            return restored
+        problems = "; ".join(f"step {s} ({self._step_dir(s)}): {why}" for s, why in skipped.items())
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} can be read: {problems}. Nothing was moved or deleted; repair "
+            "or remove these step folders (or choose another run_dir) to go on"
+        )
+
+    def _restore_step(self, step: int, target: Any) -> tuple[Any, RunProgress]:
+        """Reads one committed step; `READ_ERRORS` when it is damaged, `CheckpointError` when it does not fit."""
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(target),
             data=ocp.args.JsonRestore(),
@@ -252,11 +353,15 @@ class TrainCheckpointer:
         )
         try:
             restored = self._manager.restore(step, args=args)
-        except (ValueError, KeyError) as err:
-            raise ValueError(
-                f"checkpoint {os.path.join(self.directory, str(step))} does not match the train state of this "
-                f"run (model or optimizer changed?): {err}"
-            ) from err
+        except READ_ERRORS:
+            # Orbax raises ValueError for a target that does not fit as for a damaged file; tell them apart.
+            difference = self._difference(step, target)
+            if difference:
+                raise CheckpointError(
+                    f"checkpoint {self._step_dir(step)} does not match the train state of this run (model or "
+                    f"optimizer changed?): {difference}"
+                ) from None
+            raise
         meta = restored["progress"]
         progress = RunProgress(
             step=int(meta["step"]),
@@ -265,26 +370,75 @@ class TrainCheckpointer:
             policy_version=int(meta["policy_version"]),
             config=restored["config"],
         )
+        if progress.step != step:
+            raise ValueError(f"its progress item says step {progress.step}")
+        if not isinstance(progress.config, Mapping):
+            raise TypeError(f"its config item is a {type(progress.config).__name__}, not a mapping")
         return restored["state"], progress
 
+    def _difference(self, step: int, target: Any) -> str | None:
+        """How the saved state's tree or shapes (its metadata) differ from `target`; None when they agree or
+        the metadata cannot be read (a damaged step)."""
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:
+                metadata = checkpointer.metadata(os.path.join(self._step_dir(step), "state")).item_metadata
+        except READ_ERRORS:
+            return None
+        if metadata is None:  # orbax returns None (and logs why) when the arrays' metadata cannot be read
+            return None
+        saved, wanted = ocp.tree.to_flat_dict(metadata), ocp.tree.to_flat_dict(target)
+        missing, extra = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+        if missing or extra:
+            names = lambda keys: ["/".join(map(str, k)) for k in keys[:5]]  # noqa: E731
+            return (
+                f"entries missing from the checkpoint: {names(missing)}, entries this run does not have: {names(extra)}"
+            )
+        for keys, leaf in wanted.items():
+            have = getattr(saved[keys], "shape", None)
+            if have is not None and tuple(have) != tuple(leaf.shape):
+                return f"{'/'.join(map(str, keys))} has shape {tuple(have)} there, {tuple(leaf.shape)} here"
+        return None
+
     def restore_config(self, step: int | None = None) -> dict:
-        """The config dict saved with `step` (newest when None), without reading the arrays."""
+        """The config dict saved with `step` (newest committed when None), without reading the arrays.
+
+        Raises:
+            MissingCheckpoint: no such committed step.
+            CheckpointError: the step's config item cannot be read (names the step folder).
+        """
+        self._manager.wait_until_finished()
         step = self._require_step(step)
-        restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        except READ_ERRORS as error:
+            raise CheckpointError(
+                f"checkpoint step folder {self._step_dir(step)} cannot be read: {_reason(error)}"
+            ) from error
         return restored["config"]
 
     def restore_state_unsharded(self, step: int | None = None) -> Any:
-        """The saved train state as host NumPy arrays, without a target tree (for export and inspection)."""
+        """The saved train state as host NumPy arrays, without a target tree (for export and inspection).
+
+        Raises:
+            MissingCheckpoint: no such committed step.
+            CheckpointError: the step's state cannot be read (names the step folder).
+        """
+        self._manager.wait_until_finished()
         step = self._require_step(step)
-        path = os.path.join(self.directory, str(step), "state")
-        with ocp.StandardCheckpointer() as checkpointer:
-            metadata = checkpointer.metadata(path).item_metadata
-            target = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=_host_sharding()),
-                metadata,
-                is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
-            )
-            state = checkpointer.restore(path, target)
+        path = os.path.join(self._step_dir(step), "state")
+        try:
+            with ocp.StandardCheckpointer() as checkpointer:
+                metadata = checkpointer.metadata(path).item_metadata
+                target = jax.tree.map(
+                    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=_host_sharding()),
+                    metadata,
+                    is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
+                )
+                state = checkpointer.restore(path, target)
+        except READ_ERRORS as error:
+            raise CheckpointError(
+                f"checkpoint step folder {self._step_dir(step)} cannot be read: {_reason(error)}"
+            ) from error
         return jax.tree.map(np.asarray, state)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -306,15 +460,75 @@ class TrainCheckpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
     def _require_step(self, step: int | None) -> int:
-        steps = self._manager.all_steps()
+        """`step` when it is committed (the newest committed step when None), else `MissingCheckpoint`."""
+        steps = self.all_steps()
         if step is None:
             if not steps:
-                raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
-            return max(steps)
+                raise MissingCheckpoint(f"no committed checkpoint in {self.directory}")
+            return steps[-1]
         if step not in steps:
-            raise FileNotFoundError(f"checkpoint step {step} not found in {self.directory}; committed: {sorted(steps)}")
+            why = "not found"
+            if os.path.isdir(self._step_dir(step)):
+                why = f"has no commit marker ({COMMIT_MARKER} or a commit time in {STEP_METADATA})"
+            raise MissingCheckpoint(f"checkpoint step {step} {why} in {self.directory}; committed: {steps}")
         return step
+
+    def _set_aside(self, step: int, why: str) -> str | None:
+        """Moves step folder `step` into `_unusable/` (atomic rename, never a delete); returns where it went.
+
+        A file `<destination>.why.txt` beside it says why. None when the folder is already gone (another
+        process of the run moved it first).
+        """
+        aside = os.path.join(self.directory, UNUSABLE_SUBDIR)
+        os.makedirs(aside, exist_ok=True)
+        destination, n = os.path.join(aside, str(step)), 0
+        while os.path.exists(destination):
+            n += 1
+            destination = os.path.join(aside, f"{step}.{n}")
+        try:
+            os.rename(self._step_dir(step), destination)
+        except FileNotFoundError:
+            return None
+        with open(destination + ".why.txt", "w", encoding="utf-8") as f:
+            f.write(why + "\n")
+        return destination
+
+    def _set_aside_uncommitted(self) -> None:
+        """Moves step folders without a commit marker out of orbax's view (before the manager lists them)."""
+        for step, path in sorted(_step_folders(self.directory).items()):
+            if _is_committed(path):
+                continue
+            why = f"no commit marker ({COMMIT_MARKER} or a commit time in {STEP_METADATA}): not a finished save"
+            moved = self._set_aside(step, why)
+            if moved:
+                log.warning(
+                    "checkpoint step folder %s has %s; moved it to %s (not used, not deleted)", path, why, moved
+                )
+
+    def _set_aside_damaged(self, skipped: Mapping[int, str], restored: int) -> None:
+        """After a fall-back to step `restored`: moves the skipped steps out of the step namespace (not in
+        read-only mode), so `keep` counts only usable steps and the run can save those steps again."""
+        for step, why in skipped.items():
+            path = self._step_dir(step)
+            if self.read_only:
+                log.warning(
+                    "resumed from step %d; the damaged step folder %s is left in place (read-only)", restored, path
+                )
+                continue
+            moved = self._set_aside(step, f"cannot be read: {why}")
+            log.warning(
+                "resumed from step %d; the damaged step folder %s was moved to %s (not deleted: remove it when you "
+                "no longer need it)",
+                restored,
+                path,
+                moved,
+            )
+        if not self.read_only:
+            self._manager.reload()
 
     def _remove_unfinished(self) -> None:
         """Deletes the temporary folders of saves that never committed (a killed writer), synchronously.
@@ -344,12 +558,9 @@ def _host_sharding() -> jax.sharding.Sharding:
 
 
 def latest_step(run_dir: str | os.PathLike) -> int | None:
-    """The newest committed checkpoint step of a run folder (None when there is none), without side effects."""
-    directory = checkpoint_dir(run_dir)
-    if not os.path.isdir(directory):
-        return None
-    steps = []
-    for name in os.listdir(directory):
-        if name.isdigit() and os.path.isdir(os.path.join(directory, name)):
-            steps.append(int(name))
-    return max(steps) if steps else None
+    """The newest committed checkpoint step of a run folder (None when there is none), without side effects.
+
+    Committed as in the module docstring; whether the step's files still read back is not checked here.
+    """
+    steps = _committed_steps(checkpoint_dir(run_dir))
+    return steps[-1] if steps else None

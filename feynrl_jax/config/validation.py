@@ -35,6 +35,7 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 MESH_RULES = ("dp", "fsdp", "fsdp_tp")
 BAD_ROW_POLICIES = ("error", "skip")
 OFF_POLICY_MODES = ("none", "tis", "decoupled")
+FLOAT32_MAX = 3.4028234663852886e38
 REFERENCE_MODES = ("per_batch", "precompute")
 PROCESS_COUNT_VARIABLES = ("FEYNRL_NUM_PROCESSES", "JAX_NUM_PROCESSES", "SLURM_NTASKS")
 """Variables of a multi-process launch (`sharding/multihost.py`): the devices of every process form one mesh."""
@@ -141,6 +142,8 @@ def _check_finite(config, bad):
     for path, value in flatten(config):
         if isinstance(value, float) and not math.isfinite(value):
             bad(path, f"{path}={value!r} must be a finite number.")
+        elif isinstance(value, float) and abs(value) > FLOAT32_MAX:  # the step computes in float32: it would be inf
+            bad(path, f"{path}={value!r} must be a finite number (at most {FLOAT32_MAX:.4g} in magnitude, float32).")
 
 
 def _choice(bad, key, value, choices):

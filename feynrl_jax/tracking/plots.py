@@ -15,7 +15,7 @@ def _is_rate(name: str) -> bool:
 PANELS: dict[str, Callable[[str], bool]] = {
     "loss": lambda name: name.startswith("loss/"),
     "reward": lambda name: "reward" in name,
-    "kl": lambda name: "kl" in name.split("/", 1)[1].lower(),
+    "kl": lambda name: "kl" in name.partition("/")[2].lower(),
     "entropy": lambda name: "entropy" in name,
     "lengths": lambda name: "length" in name or name.endswith("_len"),
     "throughput": lambda name: name.startswith("perf/") and _is_rate(name),
@@ -28,7 +28,8 @@ def plot_run(run_dir: str) -> list[str]:
     """Writes one PNG per panel of :data:`PANELS` that has data into ``run_dir/plots/``.
 
     Args:
-        run_dir: a run folder with ``metrics.jsonl``.
+        run_dir: a run folder with ``metrics.jsonl`` (malformed lines, such as a last line cut short by a crash,
+            are skipped with a warning; see :func:`read_metrics`).
 
     Returns:
         The paths written (``run_dir/plots/<panel>.png``), in :data:`PANELS` order; a panel whose metrics never
@@ -48,7 +49,7 @@ def plot_run(run_dir: str) -> list[str]:
         chosen = [n for n in names if selects(n)]
         series = {}
         for name in chosen:
-            points = [(r["step"], r[name]) for r in records if r.get(name) is not None]
+            points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), int | float)]
             if points:
                 series[name] = points
         if not series:

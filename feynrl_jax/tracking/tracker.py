@@ -18,7 +18,10 @@ class Tracker:
     Args:
         run_dir: the run folder; ``metrics.jsonl`` is appended there.
         total_steps: the run's last step, for the progress bar's ETA.
-        initial_step: the step a resumed run starts from.
+        initial_step: the step the run starts after: 0 for a fresh run, the restored checkpoint's step for a
+            resumed one. Lines of ``metrics.jsonl`` for later steps are dropped before appending (that run had
+            logged past its last checkpoint before it stopped; those steps are run and logged again). None (a
+            tracker outside a training loop) keeps every whole line; a partial last line is dropped either way.
         jsonl: write ``run_dir/metrics.jsonl``.
         use_wandb: log to wandb (offline without ``WANDB_API_KEY``, online with it; started on first log).
         wandb_project: the wandb project.
@@ -36,7 +39,7 @@ class Tracker:
         run_dir: str,
         *,
         total_steps: int | None = None,
-        initial_step: int = 0,
+        initial_step: int | None = None,
         jsonl: bool = True,
         use_wandb: bool = False,
         wandb_project: str = "feynrl-jax",
@@ -46,10 +49,10 @@ class Tracker:
         progress_stream: IO[str] | None = None,
     ):
         self.run_dir = run_dir
-        self._file = MetricsFile(run_dir) if jsonl else None
+        self._file = MetricsFile(run_dir, resume_step=initial_step) if jsonl else None
         self._wandb = WandbSink(run_dir, project=wandb_project, name=wandb_name, config=config) if use_wandb else None
         self._bar = (
-            ProgressBar(total_steps, initial_step=initial_step, stream=progress_stream) if progress_bar else None
+            ProgressBar(total_steps, initial_step=initial_step or 0, stream=progress_stream) if progress_bar else None
         )
 
     @property

@@ -18,7 +18,8 @@ shared loss.
 
 The critic step reuses ``make_train_step``: its "per-token prediction" function returns values instead of
 log-probabilities, and the loss below reads them; sharding, gradient accumulation and the non-finite guard are
-the policy step's.
+the policy step's (an update whose gradient, loss, new params or new optimizer state is not finite is skipped;
+``RLTrainer`` checks the critic's streak with its own ``NonFiniteGuard``).
 """
 
 from __future__ import annotations

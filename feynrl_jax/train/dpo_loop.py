@@ -32,6 +32,7 @@ from feynrl_jax.data.packing import TokenBatch
 from feynrl_jax.eval.evaluate import evaluator_from_config
 from feynrl_jax.losses import TrainBatch
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
+from feynrl_jax.train.run_lock import RunLock
 from feynrl_jax.train.sft_loop import train_prompts
 from feynrl_jax.train.supervised_loop import RunContext, SupervisedTask, place, run_supervised, sft_train_batch
 
@@ -256,4 +257,5 @@ def run(config: ConfigDict) -> dict[str, float]:
     """
     if config.paradigm != "dpo":
         raise ValueError(f"dpo_loop.run needs config.paradigm='dpo', got {config.paradigm!r}")
-    return run_supervised(config, make_dpo_task)
+    with RunLock(config.run_dir):  # one run per run folder, for the whole run
+        return run_supervised(config, make_dpo_task)

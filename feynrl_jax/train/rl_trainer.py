@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +65,7 @@ from feynrl_jax.train import run_setup
 from feynrl_jax.train.critic import critic_params_shape, critic_values, init_critic_params, make_critic_train_step
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
 from feynrl_jax.train.loss_parts import logprob_diagnostic_metrics, old_logprobs_from_current, with_logprob_diagnostics
-from feynrl_jax.train.nonfinite import NonFiniteGuard
+from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
 from feynrl_jax.train.rl_batch import rollouts_to_batch, scatter_completion, sequence_reward_at_last_token
 from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_prefix_rows
 from feynrl_jax.train.state import TrainState, create_train_state
@@ -427,6 +428,7 @@ class RLTrainer:
             )
             self._values = jax.jit(functools.partial(critic_values, config=self.model_config))
         self.guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite)
+        self.critic_guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite, model="critic")
         self.checkpointer = TrainCheckpointer(
             config.run_dir,
             save_every=checkpoint_every(config),
@@ -511,6 +513,7 @@ class RLTrainer:
 
         Raises:
             FileExistsError: the run folder holds checkpoints but `checkpoint.resume` is False.
+            InputError: the restored checkpoint holds non-finite params or optimizer state (names the step folder).
         """
         latest = self.checkpointer.latest_step()
         if latest is not None and not self.config.checkpoint.resume:
@@ -530,6 +533,9 @@ class RLTrainer:
             self.policy_version = 0
             return Restored(step=0, policy_version=0, rng=None, data_state=None)
         tree, progress = self.checkpointer.restore(self._abstract_state())
+        where = os.path.join(self.checkpointer.directory, str(progress.step))
+        for state in tree.values():
+            check_restored_state(state, where)
         self.state = tree["policy"]
         self.critic_state = tree.get("critic")
         self.policy_version = progress.policy_version
@@ -577,7 +583,8 @@ class RLTrainer:
             The updates' metrics combined by type (`combine_updates`), the critic's as `*/critic_*`.
 
         Raises:
-            NonFiniteError: too many consecutive non-finite updates (`optim.max_consecutive_nonfinite`).
+            NonFiniteError: too many consecutive non-finite updates of the policy or the critic
+                (`optim.max_consecutive_nonfinite`).
         """
         order = np.random.default_rng(shuffle_seed)
         units = batch.tokens.shape[0]  # samples, or groups in the shared-prefix layout
@@ -593,7 +600,9 @@ class RLTrainer:
                 records.append(update_metrics)
                 if self.critic_step is not None:
                     self.critic_state, critic_metrics = self.critic_step(self.critic_state, mini)
-                    critic_records.append(jax.device_get(critic_metrics))
+                    critic_metrics = jax.device_get(critic_metrics)
+                    self.critic_guard.check(critic_metrics, step)
+                    critic_records.append(critic_metrics)
         metrics = combine_updates(records)
         if critic_records:
             metrics.update(_rename(combine_updates(critic_records), "critic_"))
@@ -614,6 +623,8 @@ class RLTrainer:
 
         Raises:
             ValueError: the batch does not hold `train.global_batch_size` rows.
+            NonFiniteError: too many consecutive skipped (non-finite) updates; at the run's last step
+                (`train.steps`), every update of the run skipped (`finish`).
         """
         t0 = time.perf_counter()
         n = rollouts.prompt_ids.shape[0]
@@ -628,6 +639,8 @@ class RLTrainer:
         t1 = time.perf_counter()
         metrics.update(self.update(batch, shuffle_seed=shuffle_seed, step=step))
         train_seconds = time.perf_counter() - t1
+        if step == self.settings.steps:
+            self.finish()
         self.policy_version += 1
         tokens = sample_tokens * self.settings.ppo_epochs
         metrics.update(
@@ -639,6 +652,14 @@ class RLTrainer:
             }
         )
         return metrics
+
+    def finish(self) -> None:
+        """Raises `NonFiniteError` when every update of the run was skipped, the policy's or the critic's.
+
+        `train` calls it after the run's last step (`train.steps`); calling it again is harmless.
+        """
+        self.guard.finish()
+        self.critic_guard.finish()
 
     def save(self, step: int, rng: np.ndarray, data_state: Any, *, force: bool) -> bool:
         """Checkpoints the policy (and critic) state after `step` with the driver's `rng` and `data_state`.

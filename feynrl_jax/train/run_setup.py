@@ -26,6 +26,8 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from feynrl_jax.checkpoints import convert_gguf, load_hf, load_tokenizer, smollm2_checkpoint_dir
+from feynrl_jax.config.errors import ConfigError, Problem
+from feynrl_jax.errors import InputError
 from feynrl_jax.models import ModelConfig, init_params
 from feynrl_jax.sharding import get_rules, make_mesh
 from feynrl_jax.train.optimizer import make_optimizer
@@ -94,15 +96,49 @@ def resolve_model_source(model_cfg: ConfigDict, run_dir: str) -> ModelSource:
     return ModelSource(weights_dir=weights_dir, tokenizer_dir=tokenizer_dir)
 
 
+def tokenizer_size(tokenizer: Any) -> int:
+    """The ids a tokenizer can produce: `len(tokenizer)`, or one more than its largest id when that is larger."""
+    vocab = tokenizer.get_vocab()
+    return max(len(tokenizer), max(vocab.values(), default=-1) + 1)
+
+
 def model_config(model_cfg: ConfigDict, source: ModelSource, tokenizer: Any) -> ModelConfig:
-    """The `ModelConfig`: read from the weights folder, or built from `model.arch` for a random init."""
+    """The `ModelConfig`: read from the weights folder, or built from `model.arch` for a random init.
+
+    Every run meets its tokenizer and its model here (SFT, DPO, RL, its reference model, eval, export), so the
+    tokenizer is checked against the model's vocabulary here: a token id past the embedding table would index
+    out of range (JAX clamps it silently). A vocabulary larger than the tokenizer (padded) is normal.
+
+    Raises:
+        InputError: the tokenizer of a weights folder has more tokens than the model's `vocab_size` (names
+            both and both sizes).
+        ConfigError: a random-init `model.arch.vocab_size` is smaller than the tokenizer.
+    """
     dtypes = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+    size = tokenizer_size(tokenizer)
     if source.weights_dir is not None:
-        return ModelConfig.from_hf(source.weights_dir, **dtypes)
+        config = ModelConfig.from_hf(source.weights_dir, **dtypes)
+        if size > config.vocab_size:
+            if model_cfg.tokenizer:
+                named = f"config.model.tokenizer={model_cfg.tokenizer!r} (the tokenizer in {source.tokenizer_dir})"
+                fix = "use this model's tokenizer (leave config.model.tokenizer empty for the model folder's own)"
+            else:
+                named, fix = f"the tokenizer in {source.tokenizer_dir}", "that folder's tokenizer is not its model's"
+            raise InputError(
+                f"{named} has {size} tokens but the model in {source.weights_dir} has vocab_size "
+                f"{config.vocab_size} (its config.json): ids >= {config.vocab_size} have no embedding; {fix}"
+            )
+        return config
     arch = dict(model_cfg.arch)
-    if len(tokenizer) > arch["vocab_size"]:
-        raise ValueError(
-            f"config.model.arch.vocab_size={arch['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens"
+    if size > arch["vocab_size"]:
+        raise ConfigError(
+            [
+                Problem(
+                    "model.arch.vocab_size",
+                    f"config.model.arch.vocab_size={arch['vocab_size']} is smaller than the {size} tokens of the "
+                    f"tokenizer in {source.tokenizer_dir}",
+                )
+            ]
         )
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos

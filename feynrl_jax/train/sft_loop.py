@@ -11,6 +11,7 @@ from ml_collections import ConfigDict
 
 from feynrl_jax.data.from_config import build_mixture_from_config, build_sources_from_config
 from feynrl_jax.eval.evaluate import evaluator_from_config
+from feynrl_jax.train.run_lock import RunLock
 from feynrl_jax.train.supervised_loop import RunContext, SupervisedTask, place, run_supervised, sft_train_batch
 
 
@@ -63,4 +64,5 @@ def run(config: ConfigDict) -> dict[str, float]:
     """
     if config.paradigm != "sft":
         raise ValueError(f"sft_loop.run needs config.paradigm='sft', got {config.paradigm!r}")
-    return run_supervised(config, make_sft_task)
+    with RunLock(config.run_dir):  # one run per run folder, for the whole run
+        return run_supervised(config, make_sft_task)

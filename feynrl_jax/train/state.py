@@ -19,9 +19,10 @@ class TrainState:
         params: the model params pytree.
         opt_state: the optax state (mirrors ``params`` for Adam's moments).
         step: int32 scalar, the number of updates applied (skipped non-finite steps do not count).
-        nonfinite_streak: int32 scalar, consecutive steps skipped for a non-finite gradient or loss (0 after
-            any applied step).
-        nonfinite_total: int32 scalar, skipped steps since the start of the run.
+        nonfinite_streak: int32 scalar, consecutive steps skipped for a non-finite gradient, loss, updated params
+            or updated optimizer state (0 after any applied step).
+        nonfinite_total: int32 scalar, skipped steps since the start of the run (``step + nonfinite_total`` steps
+            ran; ``step == 0`` after a run means every one was skipped).
     """
 
     params: Any

@@ -11,8 +11,10 @@ possibly wrapped by ``feynrl_jax.train.loss_parts``). The params' logical axes a
    returned one), and accumulates the gradient of the loss's ``total`` together with its ``denom``;
 3. the summed gradient is divided by the summed denominator, so any number of micro-batches gives the
    gradient of one large batch (the losses return ``(total, denom)``, not means; Tunix's ``WeightedMetric``);
-4. a non-finite gradient or loss skips the update (params and optimizer state unchanged) and increments the
-   counters in ``TrainState``; otherwise the optimizer is applied.
+4. the optimizer is applied; when the gradient, the loss, the updated params or the updated optimizer state
+   are not finite (``nonfinite.all_finite``, one fused reduction per leaf), the update is skipped instead: params
+   and optimizer state unchanged, the counters in ``TrainState`` incremented (``nonfinite.NonFiniteGuard`` reads
+   them on the host).
 
 Shardings: params by the logical axes and the rules table; the optimizer state by the params' (matched by tree
 structure); batches over ``("data", "fsdp")`` on ``B``; metrics replicated. XLA's SPMD partitioner inserts the
@@ -51,6 +53,7 @@ from feynrl_jax.sharding import (
 )
 from feynrl_jax.sharding.rules import Rules, batch_pspec
 from feynrl_jax.train.microbatch import check_divisible, split_microbatches
+from feynrl_jax.train.nonfinite import all_finite
 from feynrl_jax.train.state import TrainState, create_train_state
 
 Predict = Callable[[Any, TrainBatch], tuple[jax.Array, jax.Array | None]]
@@ -275,10 +278,11 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / safe_denom, grads)
         loss = jnp.where(denom != 0, total / safe_denom, 0.0)
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
         new_params = optax.apply_updates(params, updates)
+        # A finite gradient can still give non-finite weights (a NaN learning rate, an overflowing update).
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss) & all_finite(new_params, new_opt_state)
         keep = lambda new, old: jnp.where(finite, new, old)
         streak = jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32)
         new_state = TrainState(

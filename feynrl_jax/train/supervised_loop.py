@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig
 from feynrl_jax.tracking import Tracker
 from feynrl_jax.train import run_setup
-from feynrl_jax.train.nonfinite import NonFiniteGuard
+from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
 from feynrl_jax.train.state import TrainState, create_train_state
 from feynrl_jax.train.step import ParamsSpec, TrainStep, make_algorithm_train_step
 
@@ -123,6 +124,8 @@ def run_supervised(
 
     Raises:
         FileExistsError: the run folder holds checkpoints but `checkpoint.resume` is False.
+        InputError: the restored checkpoint holds non-finite params (names the step folder).
+        NonFiniteError: too many consecutive skipped (non-finite) steps, or every step of the run skipped.
     """
     validate(config, num_devices=jax.device_count())
     run_dir = config.run_dir
@@ -174,6 +177,7 @@ def run_supervised(
             start = 0
         else:
             state, progress = checkpointer.restore(abstract_train_state(train_step, optimizer, model_config))
+            check_restored_state(state, os.path.join(checkpointer.directory, str(progress.step)))
             task.batches.set_state(progress.data_state)
             rng = progress.rng
             start = progress.step
@@ -230,6 +234,7 @@ def run_supervised(
                 tracker.log(step, record)  # one line per step: a later line for the same step would replace it
                 last = record
         checkpointer.wait_until_finished()
+        guard.finish()
     return last
 
 
