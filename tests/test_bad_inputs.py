@@ -168,18 +168,20 @@ def _damage_all_steps(ckpt: Path) -> None:
 
 
 def _nan_checkpoint(ckpt: Path) -> None:
-    """Both steps hold NaN weights (a diverged run that saved them)."""
+    """The latest step holds NaN weights (as a run diverged by another tool, or an older version, would save)."""
     import jax
+    import jax.numpy as jnp
 
-    from feynrl_jax.checkpoints.train_state import TrainCheckpointer
+    from feynrl_jax.checkpoints.train_state import TrainCheckpointer, abstract_like
 
-    steps = sorted(int(s.name) for s in ckpt.iterdir() if s.name.isdigit())
-    with TrainCheckpointer(ckpt.parent, keep=10, async_save=False) as checkpointer:
-        state = checkpointer.restore_state_unsharded(steps[-1])
-        _, progress = checkpointer.restore(jax.tree.map(lambda x: x, state), step=steps[-1])
-        poisoned = jax.tree.map(lambda x: np.full_like(np.asarray(x), np.nan), state.params)
-        shutil.rmtree(ckpt / str(steps[-1]))
-        checkpointer.save(state.replace(params=poisoned), progress, force=True)
+    with TrainCheckpointer(ckpt.parent, save_every=1, keep=10, async_save=False) as checkpointer:
+        step = checkpointer.latest_step()
+        raw = checkpointer.restore_state_unsharded(step)
+        state, progress = checkpointer.restore(abstract_like(jax.tree.map(jnp.asarray, raw)), step=step)
+    poisoned = dict(state, params=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), state["params"]))
+    shutil.rmtree(ckpt / str(step))
+    with TrainCheckpointer(ckpt.parent, save_every=1, keep=10, async_save=False) as checkpointer:
+        assert checkpointer.save(poisoned, progress, force=True)
 
 
 def _lock_run(case: Path, data: Path) -> None:
@@ -419,6 +421,8 @@ class Outcome:
     before: dict[str, str]
     after: dict[str, str]
     run_dir: Path
+    before_run_log: bytes = b""
+    run_log_head: bytes = b""
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -446,6 +450,8 @@ def _run_case(case: Case, folder: Path, data: Path) -> Outcome:
     # What the user already has in the run folder: it must come out untouched.
     _write(run_dir / "notes" / "precious.txt", "results of an earlier run\n")
     before = _hashes(run_dir)
+    log_file = run_dir / "run.log"
+    before_run_log = log_file.read_bytes() if log_file.exists() else b""
     args = [a.replace("{case}", str(folder)).replace("{data}", str(data)) for a in case.args]
     env = dict(os.environ, JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled", WANDB_MODE="offline")
     t0 = time.monotonic()
@@ -463,7 +469,11 @@ def _run_case(case: Case, folder: Path, data: Path) -> Outcome:
         holder = folder / "holder.pid"
         if holder.exists():
             os.kill(int(holder.read_text()), signal.SIGKILL)
-    return Outcome(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0, before, _hashes(run_dir), run_dir)
+    seconds = time.monotonic() - t0
+    head = log_file.read_bytes()[: len(before_run_log)] if log_file.exists() else b""
+    return Outcome(
+        proc.returncode, proc.stdout, proc.stderr, seconds, before, _hashes(run_dir), run_dir, before_run_log, head
+    )
 
 
 TINY_SFT_CONFIG = """
@@ -579,6 +589,9 @@ def test_bad_input(case: Case, outcomes):
         assert "Ray" not in out.stderr and "Ray" not in out.stdout, out.stderr[-2000:]
     # Nothing the user had in the run folder was lost or changed.
     for path, digest in out.before.items():
+        if path == "run.log":  # every attempt appends its own lines to the run's log
+            assert out.after.get(path) is not None and out.run_log_head == out.before_run_log, "run.log was rewritten"
+            continue
         assert out.after.get(path) == digest, f"{path} was changed or removed"
     # Nothing new is half-written: JSON parses; a log of the run says where the traceback went.
     for path in set(out.after) - set(out.before):

@@ -106,7 +106,73 @@ def test_mask_continuations_see_their_prompt_not_their_siblings():
     assert plain[2].tolist() == [False, False, True, False]
 
 
-def _layout_outputs(config: ModelConfig, params, rollouts: Rollouts) -> tuple[dict, dict]:
+# Both layouts are compared in float64, where they must agree to rounding, and each float32 result against that
+# float64 reference: float32 rounding, amplified by how ill-conditioned these outputs are, is larger than the
+# difference between the layouts on any one CPU and differs between CPUs (their matrix kernels sum in different
+# orders), so comparing the two float32 results with each other tests the CPU, not the layout.
+#
+# Errors are measured elementwise as `|x - ref| <= tol * (scale + |ref|)`: the scale is the largest |ref| of a
+# forward output and the 2-norm of the whole gradient for every gradient entry (rounding errors grow with the sums
+# they come from, not with the entry, so a relative test fails on entries that cancel to near 0).
+#
+# float64: here the layouts agree to 1e-15 of the gradient's norm and exactly on log-probabilities, entropies and
+# values (the same arithmetic in another order). 1e-9 is float64's eps (2.2e-16) times the worst float32
+# amplification below, with a margin of 4,000 for other CPUs; a real difference between the layouts (a key masked
+# wrongly, a position off by one) moves the outputs by more than 1e-3.
+FLOAT64_TOL = 1e-9
+# float32 forward outputs land within 2 float32 eps (log-probabilities, entropies) and 26 eps (critic values)
+# of the reference; 256 eps leaves a margin of 10.
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+FLOAT32_FORWARD_TOL = 256 * FLOAT32_EPS
+# float32 gradients land within 1 to 4 eps of the reference, and 77 eps with QK-norm: at these weights its
+# backward pass is ill-conditioned (in float64, rounding the weights to float32 alone moves the q_norm/k_norm
+# gradients by 4e-5 of their norm). 1,024 eps leaves a margin of 13; on a CPU with AVX-512 the two float32
+# layouts were 4.5e-4 apart, 40 eps of this gradient's norm.
+FLOAT32_GRADIENT_TOL = 1024 * FLOAT32_EPS
+# The model tests are compile-bound (a tiny model, four programs a test). XLA's backend optimisation level 0
+# halves the compile time; it changes what the fusions are compiled to, not the arithmetic being compared.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _in_float64(run, config: ModelConfig, params, monkeypatch):
+    """`run(config, params)` with the same weights and every float of the model in float64.
+
+    The model has no float64 mode: `ModelConfig` accepts float32, bfloat16 and float16, and the model keeps its
+    RMSNorm statistics, attention scores, RoPE angles, logits and values in `jnp.float32` on purpose (for
+    bfloat16 compute). Under x64, pointing `jnp.float32` at float64 while `run` traces lifts those too; the
+    model's code runs otherwise unchanged.
+    """
+    with monkeypatch.context() as patch, jax.enable_x64(True):
+        patch.setattr(model_config, "DTYPES", (*model_config.DTYPES, "float64"))
+        patch.setattr(jnp, "float32", jnp.float64)
+        config = dataclasses.replace(config, param_dtype="float64", compute_dtype="float64")
+        outputs = run(config, jax.tree.map(lambda x: np.asarray(x, np.float64), params))
+    assert all(x.dtype == np.float64 for x in jax.tree.leaves(outputs))
+    return outputs
+
+
+def _assert_close(actual: dict, reference: dict, *, forward_tol: float, gradient_tol: float | None = None):
+    """`|actual - reference| <= tol * (scale + |reference|)` for every entry (scales: see FLOAT64_TOL above).
+
+    Args:
+        actual, reference: `{name: [C] forward output on the completion tokens}`, and optionally
+            `"gradient": {path: leaf}`.
+        forward_tol: the tolerance of the forward outputs.
+        gradient_tol: the tolerance of the gradient.
+    """
+    for key, ref in reference.items():
+        if key != "gradient":
+            scale = np.abs(ref).max()
+            np.testing.assert_allclose(actual[key], ref, rtol=forward_tol, atol=forward_tol * scale, err_msg=key)
+            continue
+        norm = np.sqrt(sum(np.sum(np.square(leaf)) for leaf in ref.values()))
+        for path, leaf in ref.items():
+            np.testing.assert_allclose(
+                actual[key][path], leaf, rtol=gradient_tol, atol=gradient_tol * norm, err_msg=path
+            )
+
+
+def _logprobs_and_gradients(config: ModelConfig, params, rollouts: Rollouts) -> tuple[dict, dict]:
     """Log-probabilities, entropies and the gradient of `sum(weights * logprobs)`, in the row and shared layouts.
 
     Returns:
@@ -132,7 +198,7 @@ def _layout_outputs(config: ModelConfig, params, rollouts: Rollouts) -> tuple[di
         )
         return jnp.sum(lp * weights), (lp, ent)
 
-    grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=5)
+    grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=5, compiler_options=_FAST_COMPILE)
 
     def outputs(lp, ent, gradient, at):
         leaves = jax.tree_util.tree_leaves_with_path(gradient)
@@ -150,79 +216,38 @@ def _layout_outputs(config: ModelConfig, params, rollouts: Rollouts) -> tuple[di
     return rows, outputs(lp, ent, g, valid)
 
 
-def _in_float64(config: ModelConfig, params, rollouts: Rollouts, monkeypatch) -> tuple[dict, dict]:
-    """Runs `_layout_outputs` on the same weights with every float computed in float64.
-
-    The model has no float64 mode: `ModelConfig` accepts float32, bfloat16 and float16, and the decoder keeps its
-    RMSNorm statistics, attention scores, RoPE angles and logits in `jnp.float32` on purpose (for bfloat16
-    compute). Under x64, pointing `jnp.float32` at float64 while the model is traced lifts those too; the model's
-    code runs otherwise unchanged.
-    """
-    with monkeypatch.context() as patch, jax.enable_x64(True):
-        patch.setattr(model_config, "DTYPES", (*model_config.DTYPES, "float64"))
-        config = dataclasses.replace(config, param_dtype="float64", compute_dtype="float64")
-        patch.setattr(jnp, "float32", jnp.float64)
-        params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
-        return _layout_outputs(config, params, rollouts)
-
-
-def _assert_close(actual: dict, reference: dict, *, forward_tol: float, gradient_tol: float):
-    """Elementwise `|actual - reference| <= tol * (scale + |reference|)`.
-
-    The scale is the largest |reference| for log-probabilities and entropies, and the 2-norm of the whole
-    reference gradient for every gradient leaf: rounding errors grow with the sums they come from, not with the
-    element, so a purely relative test would fail on gradient entries that cancel to near 0.
-    """
-    for key in ("logprobs", "entropy"):
-        scale = np.abs(reference[key]).max()
-        np.testing.assert_allclose(
-            actual[key], reference[key], rtol=forward_tol, atol=forward_tol * scale, err_msg=key
-        )
-    norm = np.sqrt(sum(np.sum(np.square(leaf)) for leaf in reference["gradient"].values()))
-    for path, leaf in reference["gradient"].items():
-        np.testing.assert_allclose(
-            actual["gradient"][path], leaf, rtol=gradient_tol, atol=gradient_tol * norm, err_msg=path
-        )
-
-
-# In float64 the two layouts agree to within 1e-15 of the gradient's norm on these models (log-probabilities
-# exactly): the same arithmetic in a different order. 1e-9 is float64's eps (2.2e-16) times the float32 bound
-# below times a margin of 4,000 for other CPUs' summation orders; a real difference (a key masked wrongly, a
-# position off by one) moves the gradient by more than 1e-3 of its norm.
-FLOAT64_TOL = 1e-9
-# float32 results, either layout, against the float64 reference. The forward pass is well conditioned (within
-# 2 float32 eps of the largest |log-prob| here). The backward pass through QK-norm is not, at these weights:
-# rounding the weights to float32 once moves the float64 q_norm/k_norm gradients by 4e-5 of their norm, and a
-# float32 backward pass lands up to 77 eps from the reference (gradient norm as the unit; 1 to 4 eps without
-# QK-norm). Two layouts on one CPU share most of their rounding; on another CPU's kernels they need not (up to
-# 4.5e-4 apart on one with AVX-512), so each is compared with the reference, with a margin of 13 over the worst.
-FLOAT32_EPS = float(np.finfo(np.float32).eps)
-FLOAT32_FORWARD_TOL = 64 * FLOAT32_EPS
-FLOAT32_GRADIENT_TOL = 1024 * FLOAT32_EPS
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logprobs_and_gradients_equal_the_row_layout(name, monkeypatch):
     """The layouts compute the same function: equal in float64, and in float32 each within rounding of it."""
-    config, params, rollouts = CONFIGS[name], _params(CONFIGS[name]), _rollouts()
-    rows64, shared64 = _in_float64(config, params, rollouts, monkeypatch)
-    assert rows64["logprobs"].dtype == np.float64 and rows64["gradient"]["['embed']['embedding']"].dtype == np.float64
+    config, params = CONFIGS[name], _params(CONFIGS[name])
+    run = functools.partial(_logprobs_and_gradients, rollouts=_rollouts())
+    rows64, shared64 = _in_float64(run, config, params, monkeypatch)
     assert np.abs(rows64["logprobs"]).sum() > 1.0  # the comparison is not between zeros
     _assert_close(shared64, rows64, forward_tol=FLOAT64_TOL, gradient_tol=FLOAT64_TOL)
-    for float32 in _layout_outputs(config, params, rollouts):
+    for float32 in run(config, params):
         _assert_close(float32, rows64, forward_tol=FLOAT32_FORWARD_TOL, gradient_tol=FLOAT32_GRADIENT_TOL)
 
 
-def test_critic_values_equal_the_row_layout():
+def _critic_values(config: ModelConfig, params, rollouts: Rollouts) -> tuple[dict, dict]:
+    """`(rows, shared)`, each `{"values": [C]}` on the completion tokens in the same order."""
+    (tokens, positions, segments), shared, _ = _layouts(rollouts)
+    valid = shared.sample_row >= 0
+    values = jax.jit(functools.partial(critic_values, config=config), compiler_options=_FAST_COMPILE)
+    rows = values(params, tokens, positions, segments)
+    packed = values(params, shared.tokens, shared.positions, shared.segment_ids)
+    at = (shared.sample_row[valid], shared.sample_column[valid])
+    return {"values": np.asarray(rows)[at]}, {"values": np.asarray(packed)[valid]}
+
+
+def test_critic_values_equal_the_row_layout(monkeypatch):
     params = init_critic_params(_params(TINY), TINY)
     params = {**params, "value_head": {"kernel": jnp.linspace(-1, 1, TINY.hidden_size), "bias": jnp.asarray(0.3)}}
-    rollouts = _rollouts(seed=3)
-    (tokens, positions, segments), shared, seq_len = _layouts(rollouts)
-    values = jax.jit(functools.partial(critic_values, config=TINY))
-    rows = np.asarray(values(params, tokens, positions, segments))
-    packed = np.asarray(values(params, shared.tokens, shared.positions, shared.segment_ids))
-    mask = shared.unpack(np.ones(shared.tokens.shape, np.float32), seq_len)
-    np.testing.assert_allclose(shared.unpack(packed, seq_len), rows * mask, atol=2e-5)
+    run = functools.partial(_critic_values, rollouts=_rollouts(seed=3))
+    rows64, shared64 = _in_float64(run, TINY, params, monkeypatch)
+    assert np.abs(rows64["values"]).sum() > 1.0
+    _assert_close(shared64, rows64, forward_tol=FLOAT64_TOL)
+    for float32 in run(TINY, params):
+        _assert_close(float32, rows64, forward_tol=FLOAT32_FORWARD_TOL)
 
 
 # ---------------------------------------------------------------- the trainer's side

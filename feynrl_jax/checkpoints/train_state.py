@@ -37,6 +37,7 @@ restore) waits for the previous one.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -65,6 +66,10 @@ STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's step metadata; finalize sets i
 READ_ERRORS = (OSError, ValueError, KeyError, TypeError)
 """What reading a damaged step raises: missing files (OSError), bad JSON or arrays (ValueError, from tensorstore
 too), JSON of the wrong layout (KeyError, TypeError)."""
+
+
+class CheckpointWriteError(InputError):
+    """A checkpoint that could not be written (a full disk, a file-size limit, permissions); names the step."""
 
 
 class MissingCheckpoint(InputError, FileNotFoundError):
@@ -214,6 +219,7 @@ class TrainCheckpointer:
         self.directory = checkpoint_dir(run_dir)
         self.save_every = save_every
         self.read_only = read_only
+        self._pending_step: int | None = None  # the step of the last save started
         if read_only:
             if not os.path.isdir(self.directory):
                 raise MissingCheckpoint(f"no checkpoint folder {self.directory}")
@@ -276,8 +282,10 @@ class TrainCheckpointer:
             progress=ocp.args.JsonSave({"step": step, "policy_version": int(progress.policy_version)}),
             config=ocp.args.JsonSave(_encode_json(dict(progress.config))),
         )
-        saved = self._manager.save(step, args=args, force=True)
+        with self._writing(step):
+            saved = self._manager.save(step, args=args, force=True)
         if saved:
+            self._pending_step = step
             log.info("checkpoint: saving step %d to %s", step, self.directory)
         return bool(saved)
 
@@ -444,15 +452,34 @@ class TrainCheckpointer:
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     def wait_until_finished(self) -> None:
-        """Blocks until the last started save is committed (re-raises its error, if any)."""
-        self._manager.wait_until_finished()
+        """Blocks until the last started save is committed.
+
+        Raises:
+            CheckpointWriteError: the save failed (a full disk, a file-size limit, permissions).
+        """
+        with self._writing(self._pending_step):
+            self._manager.wait_until_finished()
         self._purge_deleted()
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager's threads."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for pending saves and releases the manager's threads (raises `CheckpointWriteError` as above)."""
+        try:
+            with self._writing(self._pending_step):
+                self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
         self._purge_deleted()
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """Turns a failed write (orbax reports disk errors as `ValueError`s of tensorstore) into one line naming the
+        step folder; a step left half-written stays an orbax temporary folder, which resume ignores."""
+        try:
+            yield
+        except Exception as error:
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            where = os.path.join(self.directory, str(step)) if step is not None else self.directory
+            raise CheckpointWriteError(f"could not write checkpoint {where}: {first}") from error
 
     def __enter__(self) -> TrainCheckpointer:
         return self

@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -164,12 +165,41 @@ def _log_to(path: str) -> None:
     except OSError as e:
         raise CommandError(f"cannot write the run log {path}: {e.strerror or e}") from e
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.setLevel(logging.INFO)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    if root.level > logging.INFO or root.level == logging.NOTSET:
-        root.setLevel(logging.INFO)
+    handler.addFilter(_ours_or_warnings)
+    logging.getLogger().addHandler(handler)
+    # The console shows one line per error: libraries' tracebacks (orbax's background writers report a full disk
+    # dozens of times) go to the run log only.
+    from absl import logging as absl_logging
+
+    absl_logging.get_absl_handler().addFilter(_no_library_tracebacks)
+    logging.raiseExceptions = False  # a log line that cannot be written (a full disk) must not print a traceback
+    # Errors in libraries' background threads and callbacks (orbax's writers after a failed save) likewise.
+    library_log = logging.getLogger("background")  # not ours: its tracebacks stay off the console
+    sys.unraisablehook = lambda u: library_log.warning(
+        "unraisable exception in %r: %s", u.object, u.exc_value, exc_info=(u.exc_type, u.exc_value, u.exc_traceback)
+    )
+    threading.excepthook = lambda a: library_log.warning(
+        "exception in thread %s: %s",
+        a.thread and a.thread.name,
+        a.exc_value,
+        exc_info=(a.exc_type, a.exc_value, a.exc_traceback),
+    )
+    ours = logging.getLogger("feynrl_jax")
+    if ours.getEffectiveLevel() > logging.INFO:
+        ours.setLevel(logging.INFO)
     _run_log = path
+
+
+def _no_library_tracebacks(record: logging.LogRecord) -> bool:
+    """Console filter: drops other libraries' records that carry a traceback (they are in the run log)."""
+    if record.name.startswith("feynrl_jax"):
+        return True
+    return not (record.exc_info or record.exc_text or "Traceback (most recent call last)" in str(record.msg))
+
+
+def _ours_or_warnings(record: logging.LogRecord) -> bool:
+    """The run log keeps this package's INFO records and every library's warnings (not orbax's INFO chatter)."""
+    return record.levelno >= logging.WARNING or record.name.startswith("feynrl_jax")
 
 
 def train(operands: list[str]) -> None:

@@ -261,7 +261,6 @@ class _Run:
         self.prompts = build_mixture_from_config(
             config.data, self.tokenizer, paradigm="rl", batch_size=self.plan.prompts_per_step
         )
-        run_setup.write_resolved_config(config, config.run_dir)
         self.lost_batches = 0
         self.reward_retries = 0
         self.store = self.trainer = self.reward = None
@@ -460,6 +459,7 @@ def _train(driver: _Run) -> dict[str, float]:
         driver.start_actors()
         driver.wait_ready()
         restored = driver.on_trainer("start")
+        run_setup.write_resolved_config(config, config.run_dir)  # once the checkpoint it describes is known to be good
         log.info("trainer ready after %.1f s", time.perf_counter() - wall0)
         start, version = restored["step"], restored["policy_version"]
         in_flight = []

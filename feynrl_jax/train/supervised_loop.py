@@ -166,7 +166,6 @@ def run_supervised(
                 f"run folder {run_dir} already holds checkpoints (latest step {latest}) and checkpoint.resume is "
                 "False; pass --resume to continue it or choose another config.run_dir"
             )
-        run_setup.write_resolved_config(config, run_dir)
         context = RunContext(run_dir, source, tokenizer, model_config, train_step, rules, initial_params)
         task = make_task(config, context)
         stack.callback(task.close)
@@ -182,6 +181,7 @@ def run_supervised(
             rng = progress.rng
             start = progress.step
             log.info("resumed %s from step %d of %d", run_dir, start, total_steps)
+        run_setup.write_resolved_config(config, run_dir)  # once the checkpoint it describes is known to be good
 
         config_json = run_setup.config_dict(config)
         guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite)
