@@ -1,6 +1,8 @@
-"""Integration: every RL algorithm of the registry runs 2 steps on Ray with a tiny random model, sync
-(`train.max_staleness=0`) and async (`train.max_staleness=1`: step 2 trains on the batch version 0 generated
-while step 1 trained, with the decoupled objective's truncated importance weights).
+"""Integration: every RL algorithm of the registry runs 2 steps on Ray with a tiny random model, async
+(`train.max_staleness=1`: step 1 trains on-policy, step 2 on the batch version 0 generated while step 1 trained,
+with the decoupled objective's truncated importance weights), so each loss runs at lag 0 and at lag 1. Sync
+(`train.max_staleness=0`, no correction) runs for one algorithm of each family: GRPO (group baseline), PPO
+(critic and GAE) and DAPO (dynamic sampling's refills); sync GRPO also runs in the resume and fault tests.
 
 One Ray session serves the module. Each run is the real loop (`feynrl_jax.orchestration.rl_loop.run`): rollout
 worker actors with native engines, the reward actor, the trainer actor, the parameter store. A persistent
@@ -45,10 +47,12 @@ def tiny_config(algo: str, run_dir: str, **changes):
     return config
 
 
+RUNS = [(algo, 1) for algo in RL_ALGORITHMS] + [("grpo", 0), ("ppo", 0), ("dapo", 0)]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async"])
-@pytest.mark.parametrize("algo", RL_ALGORITHMS)
+@pytest.mark.parametrize(("algo", "staleness"), RUNS, ids=[f"{a}-{'async' if k else 'sync'}" for a, k in RUNS])
 def test_two_steps_of_every_rl_algorithm(ray_session, tmp_path, algo, staleness):
     from feynrl_jax.orchestration import rl_loop
 

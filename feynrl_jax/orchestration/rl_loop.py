@@ -47,6 +47,7 @@ from feynrl_jax.config.derived import batch_plan, checkpoint_every, effective_of
 from feynrl_jax.config.validation import validate
 from feynrl_jax.data.from_config import build_mixture_from_config
 from feynrl_jax.errors import RunFailed
+from feynrl_jax.eval.evaluate import load_eval_set
 from feynrl_jax.orchestration.actors import (
     ParamsSnapshot,
     ParamStoreActor,
@@ -261,6 +262,13 @@ class _Run:
         self.prompts = build_mixture_from_config(
             config.data, self.tokenizer, paradigm="rl", batch_size=self.plan.prompts_per_step
         )
+        # Draw one batch and put it back (the iterator's state is exact), and load the held-out prompts: a source
+        # with no usable prompt (all longer than data.max_prompt_len, say) fails now, not after Ray started.
+        start = self.prompts.get_state()
+        next(self.prompts)
+        self.prompts.set_state(start)
+        if config.eval.during_training:
+            load_eval_set(config, self.tokenizer)
         self.lost_batches = 0
         self.reward_retries = 0
         self.store = self.trainer = self.reward = None
