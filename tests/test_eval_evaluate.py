@@ -128,3 +128,28 @@ def test_eval_command_writes_results_json(toy, tmp_path):
     assert len(saved["samples"]) == 10 and saved["model"] == "random_init"
     assert [s["answer"] for s in saved["samples"][::2]] == ["3", "5", "7", "9", "11"]
     assert 0.0 <= metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= 1.0
+
+
+def test_eval_reward_kwargs_reach_the_evaluators_reward(toy, tmp_path):
+    """`eval.reward_kwargs` is read by every evaluator (SFT, DPO, RL, `feynrl-jax eval`), not by RL alone."""
+    root, tokenizer, model_config = toy[0], toy[1], toy[2]
+    config = base_config()
+    config.paradigm = "eval"
+    config.run_dir = str(tmp_path / "eval_run")
+    add_data_source(config, "toy_test", data_source("jsonl", path=str(root / "test.jsonl"), split="test"))
+    config.data.max_prompt_len = 40
+    config.data.max_seq_len = 48
+    config.eval.reward = "gsm8k"
+    config.eval.num_prompts = 1
+    completion = "so the answer is 3"  # no "####" marker: only `fallback_last_number` grades its last number
+    scores = {}
+    for fallback in (False, True):
+        with config.eval.reward_kwargs.unlocked():
+            config.eval.reward_kwargs.fallback_last_number = fallback
+        evaluator = evaluate_lib.evaluator_from_config(config, model_config, None, tokenizer)
+        try:
+            rewards, _, _ = evaluator.scorer.score(["q"], [completion], [{"answer": "3"}])
+        finally:
+            evaluator.close()
+        scores[fallback] = float(rewards[0])
+    assert scores == {False: 0.0, True: 1.0}

@@ -294,6 +294,7 @@ class GenerationEvaluator:
         eval_set: EvalSet,
         *,
         reward: str,
+        reward_kwargs: Mapping[str, Any] | None = None,
         success_threshold: float,
         n: int,
         k_list: Sequence[int],
@@ -313,7 +314,9 @@ class GenerationEvaluator:
         self.success_threshold, self.n, self.k_list, self.sampling = success_threshold, n, tuple(k_list), sampling
         self.last_report: EvalReport | None = None
         self.engine = None if params is None else self._make_engine(params)
-        self.scorer = RewardScorer({reward: 1.0}, num_workers=1)
+        self.scorer = RewardScorer(
+            {reward: 1.0}, reward_kwargs={reward: dict(reward_kwargs)} if reward_kwargs else None, num_workers=1
+        )
 
     def _make_engine(self, params: Any):
         from feynrl_jax.rollout.native_engine import NativeEngine
@@ -374,6 +377,7 @@ def evaluator_from_config(
         tokenizer,
         eval_set,
         reward=config.eval.reward,
+        reward_kwargs=dict(config.eval.reward_kwargs),
         success_threshold=config.eval.success_threshold,
         n=config.eval.n_samples,
         k_list=tuple(config.eval.k),

@@ -694,15 +694,6 @@ class RLTrainer:
                 param_shardings=self.train_step.state_shardings.params,
                 exclude_prompts=train_prompts(self.config),
             )
-            kwargs = dict(self.config.eval.reward_kwargs)
-            if kwargs:
-                # evaluator_from_config does not take reward keyword arguments (yet): rebuild its scorer with them.
-                from feynrl_jax.rollout.rewards import RewardScorer
-
-                self.evaluator.scorer.close()
-                self.evaluator.scorer = RewardScorer(
-                    {self.config.eval.reward: 1.0}, reward_kwargs={self.config.eval.reward: kwargs}, num_workers=1
-                )
         return self.evaluator(self.state.params, step)
 
     def final_params(self) -> dict[str, Any]:
