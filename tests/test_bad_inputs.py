@@ -202,17 +202,13 @@ def _lock_run(case: Path, data: Path) -> None:
     (case / "holder.pid").write_text(str(holder.pid))
 
 
-def _bad_jsonl(rows: list, *, field_map: str = "") -> tuple[Callable, tuple[str, ...]]:
-    return _file("data.jsonl", _jsonl(rows)), (
-        "--config.data.sources.sums.kind=jsonl",
-        "--config.data.sources.sums.path={case}/data.jsonl",
-        "--config.data.sources.sums.task=",
-    )
-
-
 HF = ("--config.model.random_init=False", "--config.model.path={case}/model", "--config.model.tokenizer=")
 GOOD = {"prompt": "What is 1 + 2?", "answer": "3"}
-MALFORMED_SETUP, JSONL_ARGS = _bad_jsonl([GOOD, "{not json"])
+JSONL_ARGS = (  # the training source read from the case's `data.jsonl`
+    "--config.data.sources.sums.kind=jsonl",
+    "--config.data.sources.sums.path={case}/data.jsonl",
+    "--config.data.sources.sums.task=",
+)
 
 CASES = [
     # --- Values that are impossible: the config alone shows them (exit 2 before JAX or Ray) -----------------
@@ -306,7 +302,13 @@ CASES = [
     Case("unknown_command", ("trian",), ("trian",)),
     Case("export_missing_run", ("export", "{case}/nothing", "--out={case}/out"), ("nothing",)),
     # --- Data files: named by file and row, before Ray starts -----------------------------------------------
-    Case("jsonl_malformed_row", rl(*JSONL_ARGS), (r"data\.jsonl", r"row 2"), seconds=LOAD, setup=MALFORMED_SETUP),
+    Case(
+        "jsonl_malformed_row",
+        rl(*JSONL_ARGS),
+        (r"data\.jsonl", r"row 2"),
+        seconds=LOAD,
+        setup=_file("data.jsonl", _jsonl([GOOD, "{not json"])),
+    ),
     Case(
         "jsonl_row_without_prompt",
         rl(*JSONL_ARGS),

@@ -303,6 +303,7 @@ class _Run:
         )
 
     def named_actors(self) -> list[tuple[Any, str]]:
+        """`(handle, name)` of every actor started so far."""
         named = [(self.store, "parameter store"), (self.trainer, "trainer"), (self.reward, "reward scorer")]
         named += [(w, f"rollout worker {i}") for i, w in enumerate(self.workers)]
         return [(a, n) for a, n in named if a is not None]
@@ -312,12 +313,9 @@ class _Run:
 
         Liveness pings are answered only once an actor exists, so the stall clock starts after this.
         """
-        refs = [(actor.ready.remote(), actor, name) for actor, name in self.named_actors()]
-        for ref, _, name in refs:
+        refs = [(actor.ready.remote(), name) for actor, name in self.named_actors()]
+        for ref, name in refs:
             get_within(ref, name=name, timeout_s=max(STARTUP_TIMEOUT_S, self.config.ray.stall_timeout_s))
-
-    def actors(self) -> list[Any]:
-        return [a for a in (self.trainer, self.reward, self.store, *self.workers) if a is not None]
 
     def _generate_scored(self, seed: int, snapshot: ParamsSnapshot) -> tuple[Scored, dict[str, float]]:
         batch = next(self.prompts)
@@ -422,7 +420,7 @@ class _Run:
                 except (ActorStalled, *WORKER_FAILURES) as error:
                     log.warning("closing the %s failed: %s", name, error)
         finally:
-            for actor in self.actors():
+            for actor, _ in self.named_actors():
                 ray.kill(actor, no_restart=True)
 
 
