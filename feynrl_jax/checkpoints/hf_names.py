@@ -28,7 +28,7 @@ our stacked arrays hold layer `i` at index `i` of axis 0. Torch `nn.Linear` stor
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -131,3 +131,46 @@ def set_path(tree: dict, path: str, value) -> None:
     for key in keys[:-1]:
         tree = tree.setdefault(key, {})
     tree[keys[-1]] = value
+
+
+def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """`{HF tensor name: HF shape}` of every tensor a model with this config has, in params-pytree order."""
+    out = {}
+    for m in tensor_mappings(config):
+        names = [m.hf_name.format(i=i) for i in range(config.num_layers)] if m.stacked else [m.hf_name]
+        out.update((name, m.hf_shape) for name in names)
+    return out
+
+
+def hf_tensors(
+    params: dict, config: ModelConfig, dtype: np.dtype, *, what: str = "params"
+) -> Iterator[tuple[str, np.ndarray]]:
+    """`(HF name, contiguous host array in dtype)` for every tensor of `params`, in params-pytree order.
+
+    One parameter at a time is fetched to host (`np.asarray`) and cast, so the host holds at most one converted
+    parameter besides the caller's copies.
+
+    Args:
+        params: the params pytree (paths and shapes of docs/CONTRACTS.md; any array type `np.asarray` accepts).
+        config: the model config the params belong to.
+        dtype: the dtype of the returned arrays (a numpy dtype; `ml_dtypes.bfloat16` for bfloat16).
+        what: how error messages name `params`.
+
+    Raises:
+        KeyError: `params` lacks a parameter of the model (names its path).
+        ValueError: a parameter has the wrong shape (names its path and both shapes).
+    """
+    for m in tensor_mappings(config):
+        try:
+            leaf = get_path(params, m.path)
+        except (KeyError, TypeError) as e:
+            raise KeyError(f"{what} has no {m.path!r}, which a {config.architecture} model needs") from e
+        host = np.asarray(leaf).astype(dtype, copy=False)
+        expected = ((config.num_layers,) if m.stacked else ()) + m.shape
+        if host.shape != expected:
+            raise ValueError(f"{what} {m.path!r} has shape {host.shape}, the model needs {expected}")
+        if m.stacked:
+            for i in range(config.num_layers):
+                yield m.hf_name.format(i=i), np.ascontiguousarray(m.to_hf(host[i]))
+        else:
+            yield m.hf_name, np.ascontiguousarray(m.to_hf(host))

@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from feynrl_jax.checkpoints.hf_names import TensorMapping, get_path, set_path, tensor_mappings
+from feynrl_jax.checkpoints.hf_names import TensorMapping, get_path, hf_tensors, set_path, tensor_mappings
 from feynrl_jax.errors import InputError
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import Params
@@ -190,7 +190,7 @@ def _read_param(index: _TensorIndex, m: TensorMapping, config: ModelConfig, dtyp
 
 
 def export_hf(
-    params: Params,
+    params: Params | None,
     model_config: ModelConfig,
     out_dir: str | os.PathLike,
     tokenizer_dir: str | os.PathLike | None = None,
@@ -205,7 +205,9 @@ def export_hf(
     same parent, renamed into place at the end; an existing `out_dir` is replaced only then.
 
     Args:
-        params: the params pytree (any placement; each leaf is fetched to host one at a time).
+        params: the params pytree (any placement; each leaf is fetched to host one at a time), or None for a
+            folder without weights (config and tokenizer only: what an engine that receives its weights from
+            the trainer, such as `VLLMEngine` with `load_format="dummy"`, starts from).
         model_config: the model config (written as `config.json`).
         out_dir: destination folder.
         tokenizer_dir: a folder whose tokenizer files (tokenizer.json, tokenizer_config.json, chat template,
@@ -221,7 +223,8 @@ def export_hf(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
-        _write_tensors(params, model_config, tmp, max_shard_bytes)
+        if params is not None:
+            _write_tensors(params, model_config, tmp, max_shard_bytes)
         hf_config = {**model_config.to_hf(), **dict(extra_config or {})}
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2, sort_keys=True)
@@ -267,24 +270,12 @@ def _write_tensors(params: Params, config: ModelConfig, folder: str, max_shard_b
             files.append(_save_shard(shard, folder, len(files)))
             shard, shard_bytes = {}, 0
 
-    for m in tensor_mappings(config):
-        try:
-            leaf = get_path(params, m.path)
-        except KeyError as e:
-            raise KeyError(f"params has no {m.path!r}, which a {config.architecture} model needs") from e
-        host = np.asarray(jax.device_get(leaf)).astype(dtype)
-        expected = ((config.num_layers,) if m.stacked else ()) + m.shape
-        if host.shape != expected:
-            raise ValueError(f"params {m.path!r} has shape {host.shape}, expected {expected}")
-        slices = [(m.hf_name.format(i=i), host[i]) for i in range(len(host))] if m.stacked else [(m.hf_name, host)]
-        for name, value in slices:
-            tensor = np.ascontiguousarray(m.to_hf(value))
-            if shard_bytes + tensor.nbytes > max_shard_bytes:
-                flush()
-            shard[name] = tensor
-            shard_bytes += tensor.nbytes
-            weight_map[name] = len(files)
-        del host
+    for name, tensor in hf_tensors(params, config, dtype):
+        if shard_bytes + tensor.nbytes > max_shard_bytes:
+            flush()
+        shard[name] = tensor
+        shard_bytes += tensor.nbytes
+        weight_map[name] = len(files)
     flush()
     if len(files) == 1:
         os.rename(os.path.join(folder, files[0]["file"]), os.path.join(folder, SINGLE_FILE))

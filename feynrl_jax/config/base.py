@@ -98,7 +98,9 @@ def base_config() -> ConfigDict:
     config.train.cpu_cores = ()  # RL: CPU cores the trainer actor is pinned to; (): not pinned.
 
     config.rollout = ConfigDict()
-    config.rollout.engine = "native"  # "native" (JAX, continuous batching) | "vllm".
+    # "native" (JAX, continuous batching) | "vllm" (pip install 'feynrl-jax[vllm]'; docs/VLLM.md). The engine of
+    # the RL rollout workers, of RL evaluation with vLLM, and of `feynrl-jax eval`.
+    config.rollout.engine = "native"
     config.rollout.n_samples = 8  # Completions per prompt (the group size of GRPO-style advantages).
     config.rollout.max_new_tokens = 128
     config.rollout.temperature = 1.0  # 0 means greedy.
@@ -117,6 +119,14 @@ def base_config() -> ConfigDict:
     # reward and an example error; failed calls score 0 and are counted (`rollout/reward_failed_frac`). 1: never stop.
     config.rollout.max_reward_failure_frac = 0.5
     config.rollout.cpu_cores = ()  # RL: CPU cores every rollout worker actor is pinned to; (): not pinned.
+    config.rollout.vllm = ConfigDict()  # rollout.engine="vllm" only.
+    # Weights and activations inside vLLM: "float32" | "bfloat16" | "float16"; the trainer sends its weights in it.
+    config.rollout.vllm.dtype = "float32"
+    config.rollout.vllm.enforce_eager = True  # No torch.compile / CUDA graphs: starts faster, decodes slower.
+    config.rollout.vllm.enable_prefix_caching = True  # A prompt's samples share its KV; dropped at each weight load.
+    # KV cache memory per engine (vLLM's kv_cache_memory_bytes); 0: vLLM sizes it (gpu_memory_utilization).
+    config.rollout.vllm.kv_cache_gib = 1.0
+    config.rollout.vllm.engine_kwargs = ConfigDict()  # Other `vllm.LLM` arguments, e.g. gpu_memory_utilization.
 
     config.algo = ConfigDict()
     config.algo.name = "grpo"  # A key of `feynrl_jax.losses.ALGORITHMS`.
@@ -131,7 +141,8 @@ def base_config() -> ConfigDict:
     # Off-policy correction of the policy-gradient losses (losses/off_policy.py): "none" | "tis" (truncated
     # importance weight min(pi_old / pi_behaviour, tis_cap), Yao et al. 2025) | "decoupled" (proximal policy =
     # the trainer's params at the start of the step, weight pi_prox / pi_behaviour truncated at tis_cap;
-    # Hilton et al. 2022, AReaL). None: "none" when train.max_staleness is 0, else "decoupled".
+    # Hilton et al. 2022, AReaL). None: "decoupled" when train.max_staleness > 0; else "tis" with
+    # rollout.engine="vllm" (its log-probabilities differ from the trainer's) and "none" with the native engine.
     config.algo.off_policy = placeholder(str)
     config.algo.tis_cap = 2.0  # Cap C of the importance weight; "decoupled" only: 0 leaves it untruncated.
     config.algo.critic_lr = 1e-5  # PPO: learning rate of the critic (its own AdamW, otherwise `optim`).
@@ -179,6 +190,9 @@ def base_config() -> ConfigDict:
     # Local Ray (`ray.address` unset) listens on 127.0.0.1 only. A remote cluster is reached at `ray.address`
     # and keeps its own authentication (RAY_AUTH_MODE=token with RAY_AUTH_TOKEN in the environment).
     config.ray.log_to_driver = True  # Forward the actors' stdout/stderr to the driver.
+    # GPUs per rollout worker: one placement group per worker keeps them on one node; vLLM's tensor-parallel size.
+    config.ray.gpus_per_rollout_worker = 0
+    config.ray.trainer_gpus = 0  # GPUs of the RL trainer actor (its JAX devices).
 
     config.lock()
     return config

