@@ -120,7 +120,6 @@ class VLLMEngine:
       policy_version: version of the weights now in the engine.
       last_stats: figures of the last `generate` call (seconds, generated_tokens, tokens_per_second).
       load_seconds: seconds the last `load_params` / `load_weights` took.
-      last_load: `{"seconds", "bytes"}` of the last weight load.
       transport: how `load_weights` reaches the workers: "direct" or "shared_memory".
     """
 
@@ -152,7 +151,6 @@ class VLLMEngine:
         self.policy_version = int(policy_version)
         self.last_stats: dict[str, float] = {}
         self.load_seconds = 0.0
-        self.last_load: dict[str, float] = {}
         self._model_config = None  # our ModelConfig, read on first use
         self._hf_shapes = None
 
@@ -385,7 +383,6 @@ class VLLMEngine:
         self._llm.reset_prefix_cache()
         self.policy_version = int(version)
         self.load_seconds = time.perf_counter() - start
-        self.last_load = {"seconds": self.load_seconds, "bytes": float(sum(a.nbytes for a in arrays.values()))}
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._hf_shapes is None:

@@ -286,6 +286,7 @@ class GenerationEvaluator:
         results_dir: when set, every call writes `eval_results_step{step}.json` there (samples included).
         engine: a `RolloutEngine` to evaluate with instead of a native engine of its own (a `VLLMEngine`, the RL
             run's rollout workers); each call hands it `params` through its `load_params(params, step)`.
+        owns_engine: `close()` closes `engine` too.
     """
 
     def __init__(
@@ -306,6 +307,7 @@ class GenerationEvaluator:
         param_shardings: Any = None,
         results_dir: str | None = None,
         engine: Any = None,
+        owns_engine: bool = False,
     ):
         from feynrl_jax.rollout.rewards.scorer import RewardScorer
 
@@ -316,7 +318,7 @@ class GenerationEvaluator:
         self.tokenizer, self.eval_set, self.reward = tokenizer, eval_set, reward
         self.success_threshold, self.n, self.k_list, self.sampling = success_threshold, n, tuple(k_list), sampling
         self.last_report: EvalReport | None = None
-        self.owned_engine = None  # an engine this evaluator closes (`evaluator_from_config`)
+        self.owns_engine = owns_engine
         self.engine = engine if engine is not None or params is None else self._make_engine(params)
         self.scorer = RewardScorer(
             {reward: 1.0}, reward_kwargs={reward: dict(reward_kwargs)} if reward_kwargs else None, num_workers=1
@@ -362,9 +364,9 @@ class GenerationEvaluator:
 
     def close(self) -> None:
         self.scorer.close()
-        if self.owned_engine is not None:
-            self.owned_engine.close()
-            self.owned_engine = None
+        if self.owns_engine:
+            self.engine.close()
+            self.owns_engine = False
 
 
 def evaluator_from_config(
@@ -384,10 +386,10 @@ def evaluator_from_config(
     `rollout.engine="vllm"` (closed by the evaluator's `close`), else a native one.
     """
     eval_set = load_eval_set(config, tokenizer, exclude_prompts=exclude_prompts)
-    owned = None
-    if engine is None and config.rollout.engine == "vllm":
-        engine = owned = vllm_engine(config, model_config, tokenizer, eval_set)
-    evaluator = GenerationEvaluator(
+    own_vllm = engine is None and config.rollout.engine == "vllm"
+    if own_vllm:
+        engine = vllm_engine(config, model_config, tokenizer, eval_set)
+    return GenerationEvaluator(
         model_config,
         params,
         tokenizer,
@@ -403,10 +405,8 @@ def evaluator_from_config(
         param_shardings=param_shardings,
         results_dir=results_dir,
         engine=engine,
+        owns_engine=own_vllm,
     )
-    if owned is not None:
-        evaluator.owned_engine = owned
-    return evaluator
 
 
 def vllm_engine(config: Any, model_config: Any, tokenizer: Any, eval_set: EvalSet) -> Any:

@@ -43,14 +43,15 @@ class EngineSpec:
     num_slots: int
     cache_len: int
     decode_steps_per_dispatch: int
+    # vLLM only (None for the native engine; their defaults live in the config, `rollout.vllm`).
     model_dir: str | None = None
-    dtype: str = "float32"
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = True
-    kv_cache_gib: float = 1.0
-    tensor_parallel_size: int = 1
-    engine_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    seed: int = 0
+    dtype: str | None = None
+    enforce_eager: bool | None = None
+    enable_prefix_caching: bool | None = None
+    kv_cache_gib: float | None = None
+    tensor_parallel_size: int | None = None
+    engine_kwargs: Mapping[str, Any] | None = None
+    seed: int | None = None
 
 
 def engine_spec(config: Any, model_config: Any, tokenizer: Any, *, cache_len: int) -> EngineSpec:

@@ -363,6 +363,7 @@ class _Run:
         """A step's scored batch (with DAPO refills), sampled with `snapshot`'s params, and its metrics."""
         scored, timing = self._generate_scored(seed, snapshot)
         totals = dict(timing)
+        generations = 1
         metrics: dict[str, float] = {}
         if self.config.algo.dynamic_sampling:
             wanted = self.plan.global_batch_size
@@ -376,8 +377,9 @@ class _Run:
                     break
                 draws += 1
                 scored, timing = self._generate_scored((seed + 7919 * draws) % 2**32, snapshot)
+                generations += 1
                 for k, v in timing.items():  # draws run one after another: their times and bytes add up
-                    totals[k] = (totals[k] + v) / 2 if k == "slot_utilisation" else totals[k] + v
+                    totals[k] += v
             short = max(wanted - kept, 0)
             pool = [p for p in parts if p.rewards.size] + [p for p in dropped if p.rewards.size]
             scored = _select(_merge_scored(pool), np.arange(wanted))
@@ -406,8 +408,8 @@ class _Run:
                 "perf/reward_seconds": totals["reward"],
             }
         )
-        if "slot_utilisation" in totals:
-            metrics["rollout/slot_utilisation"] = totals["slot_utilisation"]
+        if "slot_utilisation" in totals:  # the mean over the step's generations
+            metrics["rollout/slot_utilisation"] = totals["slot_utilisation"] / generations
         metrics.update(self.prompts.metrics())  # rows skipped (by reason and source), examples taken per source
         return scored, metrics
 
