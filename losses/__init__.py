@@ -11,7 +11,7 @@ from feynrl_jax.losses.dpo import dpo_loss, ipo_loss
 from feynrl_jax.losses.grpo import grpo_loss
 from feynrl_jax.losses.gspo import gspo_loss
 from feynrl_jax.losses.kl import KL_ESTIMATORS, k1, k2, k3, kl_estimate, kl_reward_penalty
-from feynrl_jax.losses.metrics import Metric, combine_metrics, compute_metrics, psum_metrics
+from feynrl_jax.losses.metrics import Metric, combine_metrics, compute_metrics
 from feynrl_jax.losses.p3o import p3o_loss
 from feynrl_jax.losses.ppo import ppo_loss
 from feynrl_jax.losses.registry import ALGORITHMS, Algorithm
@@ -46,7 +46,6 @@ __all__ = [
     "off_policy",
     "p3o_loss",
     "ppo_loss",
-    "psum_metrics",
     "sequences",
     "sft_loss",
     "value",

@@ -118,26 +118,6 @@ def combine_metrics(a: dict[str, Metric], b: dict[str, Metric]) -> dict[str, Met
     return {name: _combine(name, a[name], b[name]) for name in a}
 
 
-def psum_metrics(metrics: dict[str, Metric], axis_name: str) -> dict[str, Metric]:
-    """Combines metrics across a named mapped axis (inside ``shard_map``/``pmap``).
-
-    Raises:
-        ValueError: naming a "last" metric (devices have no order to take the last of).
-    """
-    out = {}
-    for name, m in metrics.items():
-        if m.reduce == "last":
-            raise ValueError(f"metric {name!r}: a 'last' metric cannot be combined across devices")
-        if m.reduce == "mean":
-            total = jax.lax.psum(m.total, axis_name)
-        elif m.reduce == "max":
-            total = jax.lax.pmax(m.total, axis_name)
-        else:
-            total = jax.lax.pmin(m.total, axis_name)
-        out[name] = Metric(total, jax.lax.psum(m.weight, axis_name), m.reduce)
-    return out
-
-
 def compute_metrics(metrics: dict[str, Metric]) -> dict[str, jax.Array]:
     """Reads every metric's value (0 for a metric with weight 0)."""
     return {name: m.value for name, m in metrics.items()}

@@ -13,6 +13,7 @@ from feynrl_jax.sharding.multihost import (
 )
 from feynrl_jax.sharding.placement import (
     batch_shardings,
+    host_tree,
     optimizer_state_shardings,
     place_batch,
     place_process_batch,
@@ -31,7 +32,6 @@ from feynrl_jax.sharding.rules import (
     logical_to_pspec,
     param_shardings,
     replicated,
-    with_logical_constraint,
 )
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "detect_distributed_env",
     "expand_slurm_nodelist",
     "get_rules",
+    "host_tree",
     "initialize_distributed",
     "logical_to_pspec",
     "make_mesh",
@@ -62,5 +63,4 @@ __all__ = [
     "resolve_mesh_shape",
     "state_shardings_like",
     "tree_bytes_per_device",
-    "with_logical_constraint",
 ]

@@ -251,13 +251,15 @@ def detect_distributed_env(env: Mapping[str, str]) -> DistributedSpec:
 
 
 def initialize_distributed(
-    env: Mapping[str, str] | None = None, *, initialization_timeout: int = 300
+    env: Mapping[str, str] | None = None, *, initialization_timeout: int = 300, heartbeat_timeout: int = 100
 ) -> DistributedSpec:
     """Calls ``jax.distributed.initialize`` as the environment says; call it before any other JAX work.
 
     Args:
         env: the environment (``os.environ`` by default).
         initialization_timeout: seconds to wait for every process to join.
+        heartbeat_timeout: seconds without a heartbeat after which a process counts as dead; JAX's coordination
+            service then stops every other process of the job (a fatal error, not a hang).
 
     Returns:
         The ``DistributedSpec`` used. A single process, or a second call in an initialised process, does nothing.
@@ -270,7 +272,9 @@ def initialize_distributed(
         return spec
     if spec.source == "tpu":
         jax.distributed.initialize(
-            local_device_ids=spec.local_device_ids, initialization_timeout=initialization_timeout
+            local_device_ids=spec.local_device_ids,
+            initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout,
         )
     else:
         jax.distributed.initialize(
@@ -279,5 +283,6 @@ def initialize_distributed(
             process_id=spec.process_id,
             local_device_ids=spec.local_device_ids,
             initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout,
         )
     return spec

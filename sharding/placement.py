@@ -8,6 +8,8 @@ Three ways data reaches devices, one function each:
 * ``place_process_batch``: each process holds only its own rows (a real multi-host data pipeline); the global
   batch is their concatenation in process order.
 
+``host_tree`` goes the other way: global arrays back to whole host arrays on every process.
+
 The optimizer state's shardings come from the params' shardings by tree structure: optax states hold copies of
 the params pytree (Adam's ``mu`` and ``nu``); every subtree with the params' structure gets the params'
 shardings, every other leaf (step counts, flags) is replicated.
@@ -20,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from feynrl_jax.sharding.rules import batch_pspec, batch_size_multiple, replicated
@@ -139,6 +142,22 @@ def place_process_batch(batch: Any, mesh: Mesh) -> Any:
         batch,
         batch_shardings(batch, mesh),
     )
+
+
+def host_tree(tree: Any) -> Any:
+    """Every leaf of ``tree`` as a whole host NumPy array, on every process.
+
+    A leaf spread over several processes' devices is gathered from all of them (``process_allgather``, a
+    collective: in a multi-process job every process must make the same call); any other leaf is read from this
+    process's devices.
+    """
+
+    def leaf(x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(leaf, tree)
 
 
 def tree_bytes_per_device(tree: Any) -> dict[jax.Device, int]:

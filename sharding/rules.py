@@ -31,16 +31,6 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 BATCH_AXES: tuple[str, str] = ("data", "fsdp")
 """Mesh axes that split the batch dimension ``B`` (contract: batches are sharded over ``("data", "fsdp")``)."""
 
-_ACTIVATIONS_REPLICATED: Rules = (
-    ("batch", BATCH_AXES),
-    ("length", None),
-    ("act_embed", None),
-    ("act_heads", None),
-    ("act_kv_heads", None),
-    ("act_mlp", None),
-    ("act_vocab", None),
-)
-
 _PARAMS_REPLICATED: Rules = (
     ("vocab", None),
     ("embed", None),
@@ -63,15 +53,12 @@ def _override(base: Rules, **updates: MeshAxes) -> Rules:
 
 RULES: dict[str, Rules] = {
     # Pure data parallelism: parameters replicated, batch split over every device of data x fsdp.
-    "dp": _PARAMS_REPLICATED + _ACTIVATIONS_REPLICATED,
+    "dp": _PARAMS_REPLICATED,
     # FSDP / ZeRO-3: every matrix split along its model dimension over `fsdp`.
-    "fsdp": _override(_PARAMS_REPLICATED, embed="fsdp") + _ACTIVATIONS_REPLICATED,
+    "fsdp": _override(_PARAMS_REPLICATED, embed="fsdp"),
     # FSDP + tensor parallelism: heads, KV heads, MLP columns and vocabulary over `tensor` (Megatron).
     "fsdp_tp": _override(
         _PARAMS_REPLICATED, embed="fsdp", heads="tensor", kv_heads="tensor", mlp="tensor", vocab="tensor"
-    )
-    + _override(
-        _ACTIVATIONS_REPLICATED, act_heads="tensor", act_kv_heads="tensor", act_mlp="tensor", act_vocab="tensor"
     ),
 }
 """The built-in rules tables, by strategy name (config key ``mesh.rules``)."""
@@ -218,23 +205,3 @@ def batch_size_multiple(mesh: Mesh) -> int:
 def replicated(mesh: Mesh) -> NamedSharding:
     """A fully replicated ``NamedSharding`` on ``mesh`` (scalars, step counters)."""
     return NamedSharding(mesh, PartitionSpec())
-
-
-def with_logical_constraint(
-    x: jax.Array, axes: Sequence[str | None], mesh: Mesh | None, rules: Rules | Mapping[str, MeshAxes] | None
-) -> jax.Array:
-    """Inside jit, constrains activation ``x`` to the sharding its logical axes map to; a no-op without a mesh.
-
-    Args:
-        x: an activation, e.g. ``[B, T, D]``.
-        axes: its logical names, e.g. ``("batch", "length", "act_embed")``.
-        mesh: the mesh, or ``None`` (single device: nothing to do).
-        rules: the rules table, or ``None``.
-
-    Returns:
-        ``x``, with a sharding constraint attached.
-    """
-    if mesh is None or rules is None:
-        return x
-    spec = logical_to_pspec(axes, rules, shape=x.shape, mesh=mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

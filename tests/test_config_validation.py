@@ -262,6 +262,13 @@ BAD_CONFIGS = [
         "and model.path are both",
     ),
     ("bad_dtype", _set("model.param_dtype", "fp8"), "model.param_dtype", "is not one of"),
+    ("no_heartbeat", _set("distributed.heartbeat_timeout_s", 0), "distributed.heartbeat_timeout_s", "at least 1"),
+    (
+        "no_join_time",
+        _set("distributed.initialization_timeout_s", -5),
+        "distributed.initialization_timeout_s",
+        "at least 1",
+    ),
     (
         "kv_heads_do_not_divide",
         _set("model.arch.num_kv_heads", 3),
@@ -588,15 +595,26 @@ def test_base_config_has_every_section_and_is_locked():
     assert config.data.sources.a.weight == 0.5
 
 
-def test_dpo_batches_count_pairs_as_two_rows_for_data_parallelism():
-    """4 pairs are 8 rows: they split over 8 data-parallel devices although 4 sequences would not."""
+def test_dpo_pairs_stay_whole_on_each_data_parallel_device():
+    """A pair's two rows stay on one device (the train step's `check_divisible`): 8 pairs split over 8 devices,
+    4 pairs (8 rows) do not, for the whole batch and for each micro-batch."""
+    from feynrl_jax.train.microbatch import check_divisible
+
     config = load("dpo_smollm2", "tiny")
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 8, 1, 1
-    config.train.global_batch_size, config.train.mini_batches, config.train.micro_batch_size = 4, 1, 0
+    config.train.global_batch_size, config.train.mini_batches, config.train.micro_batch_size = 8, 1, 0
     validate(config, num_devices=8)
-    config.train.global_batch_size = 3
-    with pytest.raises(ConfigError, match=r"global_batch_size=3 pairs \(2 rows each\)"):
+    check_divisible(2 * 8, 1, 2, 8)
+    config.train.global_batch_size = 4
+    with pytest.raises(ConfigError, match=r"global_batch_size=4 pairs \(2 rows each\)"):
         validate(config, num_devices=8)
+    with pytest.raises(ValueError, match="cannot be split"):
+        check_divisible(2 * 4, 1, 2, 8)
+    config.train.global_batch_size, config.train.micro_batch_size = 16, 4
+    with pytest.raises(ConfigError, match=r"micro-batch of 4 pairs"):
+        validate(config, num_devices=8)
+    with pytest.raises(ValueError, match="cannot be split"):
+        check_divisible(2 * 16, 4, 2, 8)
 
 
 def test_reasoning_gym_options_are_keys_the_command_line_can_set():

@@ -103,12 +103,10 @@ def test_metrics_combine_exactly_and_read_zero_when_empty():
         Metric(jnp.array(0.0), jnp.array(0.0), "sum")
 
 
-def test_last_metrics_keep_the_later_value_and_do_not_cross_devices():
+def test_last_metrics_keep_the_later_value():
     a, b = metrics_lib.last_metric(jnp.int32(3)), metrics_lib.last_metric(jnp.int32(4))
     combined = combine_metrics({"train/step": a}, {"train/step": b})["train/step"]
     assert int(combined.value) == 4 and combined.reduce == "last"
-    with pytest.raises(ValueError, match="across devices"):
-        metrics_lib.psum_metrics({"train/step": a}, "devices")
 
 
 def test_updates_combine_by_type_not_by_name():

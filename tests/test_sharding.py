@@ -24,12 +24,10 @@ from feynrl_jax.sharding import (
     reshard_to_mesh,
     resolve_mesh_shape,
     tree_bytes_per_device,
-    with_logical_constraint,
 )
 
 # Every logical name of docs/CONTRACTS.md.
 PARAM_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm")
-ACTIVATION_NAMES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
 
 # A params-like pytree with contract logical axes: L=2, D=16, H=4, K=2, Dh=8, F=32, V=64.
 AXES = {
@@ -107,8 +105,7 @@ def test_mesh_on_a_subset_of_devices_keeps_their_order():
 @pytest.mark.parametrize("name", sorted(RULES))
 def test_every_rules_table_covers_every_contract_name(name):
     table = dict(get_rules(name))
-    assert set(PARAM_NAMES + ACTIVATION_NAMES) <= set(table)
-    assert table["batch"] == ("data", "fsdp")
+    assert set(PARAM_NAMES) == set(table)
 
 
 def test_unknown_rules_and_names_are_rejected():
@@ -126,9 +123,8 @@ def test_logical_to_pspec_per_strategy():
     assert logical_to_pspec(q_axes, RULES["fsdp_tp"], shape=q_shape, mesh=mesh) == PartitionSpec(
         None, "fsdp", "tensor", None
     )
-    assert logical_to_pspec(("batch", "length"), RULES["fsdp"], shape=(8, 5), mesh=mesh) == PartitionSpec("fsdp", None)
-    # Without a mesh nothing is dropped: the batch keeps both axes.
-    assert logical_to_pspec(("batch", "length"), RULES["fsdp"]) == PartitionSpec(("data", "fsdp"), None)
+    # Without a mesh nothing is dropped for size.
+    assert logical_to_pspec(("vocab", "embed"), RULES["fsdp_tp"]) == PartitionSpec("tensor", "fsdp")
 
 
 def test_indivisible_dimension_falls_back_to_replication():
@@ -204,19 +200,6 @@ def test_process_local_batch_on_one_process_equals_the_global_batch():
     np.testing.assert_array_equal(np.asarray(local["tokens"]), batch["tokens"])
     with pytest.raises(ValueError, match=r"has 6 local rows, not a multiple of 8"):
         place_process_batch({"tokens": np.zeros((6, 3))}, mesh)
-
-
-def test_logical_constraint_under_jit():
-    mesh = make_mesh(1, 4, 2)
-
-    @jax.jit
-    def f(x):
-        y = with_logical_constraint(x * 2, ("batch", "length", "act_mlp"), mesh, RULES["fsdp_tp"])
-        return with_logical_constraint(y, ("batch", "length", "act_mlp"), None, None)
-
-    out = f(jnp.ones((8, 3, 6)))
-    assert out.sharding.spec == PartitionSpec("fsdp", None, "tensor")
-    np.testing.assert_array_equal(np.asarray(out), 2.0)
 
 
 # ---------------------------------------------------------------- reshard

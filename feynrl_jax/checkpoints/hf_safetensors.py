@@ -29,6 +29,7 @@ from feynrl_jax.checkpoints.hf_names import TensorMapping, get_path, hf_tensors,
 from feynrl_jax.errors import InputError
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import Params
+from feynrl_jax.sharding.placement import place_tree
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -140,7 +141,9 @@ class _TensorIndex:
 
 
 def _place(array: np.ndarray, sharding) -> jax.Array:
-    return jax.device_put(array) if sharding is None else jax.device_put(array, sharding)
+    """On this process's first device, or at `sharding` (which may span several processes: each one, holding the
+    same file, copies only its devices' shards)."""
+    return jax.device_put(array) if sharding is None else place_tree(array, sharding)
 
 
 def load_hf(

@@ -29,6 +29,11 @@ the newest `keep` step folders it lists, damaged or not, and would delete the in
 is ever deleted for being unusable; when no step is usable, nothing is moved and the run stops with an
 `InputError` naming every step's problem.
 
+Several processes (a multi-host job) share one checkpoint folder, which must then be on a file system every
+host sees (or a bucket): every process writes the shards of the arrays its devices hold and reads them back
+(orbax coordinates the commit), process 0 alone writes the JSON items and does the housekeeping above (removing
+unfinished saves, setting steps aside, purging deleted ones), and the others wait for it at a barrier.
+
 Saves are asynchronous: `save` returns once the arrays are copied off the accelerator; the files are written
 by a background thread while training continues. The next save (or `wait_until_finished`/`close`, or a
 restore) waits for the previous one.
@@ -50,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from feynrl_jax.checkpoints.hf_safetensors import CheckpointError
 from feynrl_jax.errors import InputError
@@ -224,10 +230,12 @@ class TrainCheckpointer:
             if not os.path.isdir(self.directory):
                 raise MissingCheckpoint(f"no checkpoint folder {self.directory}")
         else:
-            os.makedirs(self.directory, exist_ok=True)
-            self._purge_deleted()
-            self._remove_unfinished()
-            self._set_aside_uncommitted()
+            if _primary():
+                os.makedirs(self.directory, exist_ok=True)
+                self._purge_deleted()
+                self._remove_unfinished()
+                self._set_aside_uncommitted()
+            _barrier("checkpoint folder ready")
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=1,  # the interval is decided here (`force` must be able to override it)
             max_to_keep=keep,
@@ -541,6 +549,8 @@ class TrainCheckpointer:
         read-only mode), so `keep` counts only usable steps and the run can save those steps again."""
         for step, why in skipped.items():
             path = self._step_dir(step)
+            if not _primary():
+                continue
             if self.read_only:
                 log.warning(
                     "resumed from step %d; the damaged step folder %s is left in place (read-only)", restored, path
@@ -555,6 +565,7 @@ class TrainCheckpointer:
                 moved,
             )
         if not self.read_only:
+            _barrier("damaged steps set aside")
             self._manager.reload()
 
     def _remove_unfinished(self) -> None:
@@ -573,11 +584,22 @@ class TrainCheckpointer:
         Orbax moves old steps there from its finalize thread, so this runs only while no save is in flight.
         """
         manager = getattr(self, "_manager", None)
-        if self.read_only or (manager is not None and manager.is_saving_in_progress()):
+        if self.read_only or not _primary() or (manager is not None and manager.is_saving_in_progress()):
             return
         trash = os.path.join(self.directory, DELETED_SUBDIR)
         if os.path.isdir(trash):
             shutil.rmtree(trash, ignore_errors=True)
+
+
+def _primary() -> bool:
+    """Whether this process does the folder's housekeeping: process 0 of a multi-process job, or the only one."""
+    return jax.process_index() == 0
+
+
+def _barrier(name: str) -> None:
+    """Waits until every process of a multi-process job reaches the same named point (nothing on one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def _host_sharding() -> jax.sharding.Sharding:

@@ -40,7 +40,6 @@ from feynrl_jax.errors import EXIT_BAD_INPUT, InputError, RunFailed, unwrap
 USAGE = __doc__.split("\n\n")[1]
 EXIT_USAGE = 2  # Bad command line or config.
 RUN_LOG = "run.log"
-EXIT_NOT_BUILT = 3  # The subcommand's implementation does not exist yet.
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: configs/<name>.py, optionally with variants: configs/<name>.py:runlocal."
@@ -68,16 +67,8 @@ class Entry:
     function: str
 
     def load(self) -> Callable:
-        """Imports and returns the function; `CommandError` (EXIT_NOT_BUILT) when it does not exist yet."""
-        try:
-            module = importlib.import_module(self.module)
-        except ModuleNotFoundError as e:
-            if e.name and self.module.startswith(e.name):
-                raise CommandError(f"{self.module} is not built yet.", EXIT_NOT_BUILT) from e
-            raise
-        if not hasattr(module, self.function):
-            raise CommandError(f"{self.module}.{self.function} is not built yet.", EXIT_NOT_BUILT)
-        return getattr(module, self.function)
+        """Imports the module and returns the function."""
+        return getattr(importlib.import_module(self.module), self.function)
 
 
 LOOPS = {
@@ -149,22 +140,60 @@ def _validated_config(command: str) -> ConfigDict:
     if config is None:
         raise CommandError(f"`feynrl-jax {command}` needs --config=configs/<name>.py.")
     validate(config)
-    _log_to(os.path.join(config.run_dir, RUN_LOG))
+    process = _join_job(config)
+    _log_to(os.path.join(config.run_dir, RUN_LOG), process)
+    if process:
+        import jax
+
+        logging.getLogger("feynrl_jax.cli").info(
+            "joined the job as process %d of %d: %s", jax.process_index(), jax.process_count(), _launch_text()
+        )
     return config
+
+
+def _join_job(config: ConfigDict) -> str:
+    """Joins a multi-process job (`jax.distributed`) when the environment says this is one, before any device
+    is touched; returns the tag of this process for the run log ("" for a single process)."""
+    from feynrl_jax.sharding.multihost import DistributedConfigError, initialize_distributed
+
+    try:
+        spec = initialize_distributed(
+            initialization_timeout=config.distributed.initialization_timeout_s,
+            heartbeat_timeout=config.distributed.heartbeat_timeout_s,
+        )
+    except DistributedConfigError as e:
+        raise CommandError(f"multi-process launch: {e}") from e
+    except Exception as e:  # jax.distributed's own errors: the coordinator unreachable, a process missing
+        raise RunFailed(
+            f"could not join the job ({_launch_text()}) within distributed.initialization_timeout_s="
+            f"{config.distributed.initialization_timeout_s}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from e
+    if not spec.is_multiprocess:
+        return ""
+    import jax
+
+    return f"p{jax.process_index()} "
+
+
+def _launch_text() -> str:
+    """Who this process says it is, from the launch variables (for the run log and error messages)."""
+    names = ("FEYNRL_COORDINATOR_ADDRESS", "FEYNRL_NUM_PROCESSES", "FEYNRL_PROCESS_ID", "SLURM_PROCID", "SLURM_NTASKS")
+    return ", ".join(f"{n}={os.environ[n]}" for n in names if os.environ.get(n)) or "the TPU runtime's variables"
 
 
 _run_log: str | None = None
 
 
-def _log_to(path: str) -> None:
-    """Appends this process's log records (INFO and above) to `path`, the run's log file."""
+def _log_to(path: str, process: str = "") -> None:
+    """Appends this process's log records (INFO and above) to `path`, the run's log file; `process` ("p1 ") tags
+    each line in a multi-process job, whose processes share the file."""
     global _run_log
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         handler = logging.FileHandler(path)
     except OSError as e:
         raise CommandError(f"cannot write the run log {path}: {e.strerror or e}") from e
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {process}%(levelname)s %(name)s: %(message)s"))
     handler.addFilter(_ours_or_warnings)
     logging.getLogger().addHandler(handler)
     # The console shows one line per error: libraries' tracebacks (orbax's background writers report a full disk
@@ -333,6 +362,12 @@ def run() -> None:
     from feynrl_jax.host_memory import reexec_with_huge_pages  # stdlib only; the CLI's top level stays light
 
     reexec_with_huge_pages()
+    from feynrl_jax.cli import supervisor, xla_flags
+
+    xla_flags.set_cpu_collective_flags(os.environ)  # before JAX starts (in this process or the child)
+
+    if supervisor.wanted(sys.argv, os.environ):  # a multi-process job: see feynrl_jax.cli.supervisor
+        sys.exit(supervisor.supervise(sys.argv))
     app.run(main, flags_parser=parse_flags)
 
 

@@ -156,6 +156,13 @@ def base_config() -> ConfigDict:
     config.mesh.tensor = 1
     config.mesh.rules = "dp"  # Logical-axis rules table: "dp" | "fsdp" | "fsdp_tp".
 
+    # Multi-process jobs (one process per host; `feynrl_jax.sharding.multihost` reads who is who from the launch
+    # environment: SLURM, a TPU pod, or FEYNRL_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID).
+    config.distributed = ConfigDict()
+    config.distributed.initialization_timeout_s = 300  # How long every process waits for the others to join.
+    # A process silent this long is dead: JAX's coordination service stops the others, which exit with one line.
+    config.distributed.heartbeat_timeout_s = 100
+
     config.checkpoint = ConfigDict()
     config.checkpoint.every_steps = 50  # 0: only at the end.
     config.checkpoint.keep = 2  # Most recent checkpoints kept.

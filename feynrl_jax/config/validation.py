@@ -342,16 +342,16 @@ def _check_batches(config, bad, num_devices):
     dp = _data_parallel_size(config.mesh, num_devices)
     if dp is None:
         return
-    # Batch sizes count examples; a DPO pair is two rows (chosen, rejected) of the train step's batch.
-    rows = 2 if config.paradigm == "dpo" else 1
-    unit = "pairs (2 rows each)" if rows == 2 else "sequences"
-    if (train.global_batch_size * rows) % dp:
+    # Batch sizes count examples; a DPO pair is two rows (chosen, rejected) of the train step's batch, which
+    # stay on one device: every device holds whole examples of every micro-batch (`train.microbatch`).
+    unit = "pairs (2 rows each)" if config.paradigm == "dpo" else "sequences"
+    if train.global_batch_size % dp:
         bad(
             "train.global_batch_size",
             f"train.global_batch_size={train.global_batch_size} {unit} is not divisible by "
             f"the data-parallel size {dp} (mesh.data x mesh.fsdp).",
         )
-    elif (micro * rows) % dp:
+    elif micro % dp:
         bad(
             "train.micro_batch_size",
             f"the micro-batch of {micro} {unit} is not divisible by the "
@@ -595,6 +595,8 @@ def _check_mesh(mesh, bad, num_devices):
 
 
 def _check_misc(config, bad):
+    _at_least(bad, "distributed.initialization_timeout_s", config.distributed.initialization_timeout_s, 1)
+    _at_least(bad, "distributed.heartbeat_timeout_s", config.distributed.heartbeat_timeout_s, 1)
     ckpt = config.checkpoint
     _at_least(bad, "checkpoint.every_steps", ckpt.every_steps, 0)
     _at_least(bad, "checkpoint.keep", ckpt.keep, 1)

@@ -1,8 +1,7 @@
 """Logical axis names of every parameter, for sharding by a rules table (MaxText's `logical_axis_rules`).
 
-The sharding package maps each name to a mesh axis (or None); see `RULES` in `feynrl_jax.sharding`.
-Activation names used by callers: `batch`, `length`, `act_embed`, `act_heads`, `act_kv_heads`, `act_mlp`,
-`act_vocab`.
+The sharding package maps each name to a mesh axis (or None); see `RULES` in `feynrl_jax.sharding`. Activations
+carry no names: batches are placed over `("data", "fsdp")` and XLA propagates the rest from the parameters.
 """
 
 from __future__ import annotations

@@ -22,18 +22,17 @@ import dataclasses
 import hashlib
 from typing import Any
 
-import jax
 import numpy as np
 from ml_collections import ConfigDict
 
 from feynrl_jax.checkpoints import load_hf
 from feynrl_jax.data.from_config import build_mixture_from_config
 from feynrl_jax.data.packing import TokenBatch
-from feynrl_jax.eval.evaluate import evaluator_from_config
 from feynrl_jax.losses import TrainBatch
+from feynrl_jax.sharding import host_tree, place_tree
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
 from feynrl_jax.train.run_lock import RunLock
-from feynrl_jax.train.sft_loop import train_prompts
+from feynrl_jax.train.sft_loop import generation_evaluation
 from feynrl_jax.train.supervised_loop import RunContext, SupervisedTask, place, run_supervised, sft_train_batch
 
 REFERENCE_MODES = ("per_batch", "precompute")
@@ -114,7 +113,7 @@ class PreferenceEvaluator:
 
     def _logprobs(self, params: Any, batch: TrainBatch) -> np.ndarray:
         lp, _ = self.logprob_fn(params, batch.tokens, batch.positions, batch.segment_ids)
-        return np.asarray(jax.device_get(lp))
+        return host_tree(lp)
 
     def __call__(self, params: Any, step: int) -> dict[str, float]:
         likelihood_wins, reward_wins, margins = [], [], []
@@ -185,17 +184,7 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
 
     evaluator = None
     if config.eval.during_training:
-        generation = None
-        if config.eval.reward:
-            generation = evaluator_from_config(
-                config,
-                context.model_config,
-                None,
-                context.tokenizer,
-                param_shardings=step.state_shardings.params,
-                exclude_prompts=train_prompts(config),
-                results_dir=context.run_dir,
-            )
+        generation = generation_evaluation(config, context) if config.eval.reward else None
         evaluator = PreferenceEvaluator(
             _held_out_pairs(config, context.tokenizer, pairs),
             logprob_fn,
@@ -226,12 +215,12 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
         for batch in one_pass:
             train_batch = placed(batch)
             ref, _ = logprob_fn(reference, train_batch.tokens, train_batch.positions, train_batch.segment_ids)
-            table.add(batch, np.asarray(jax.device_get(ref)))
+            table.add(batch, host_tree(ref))
         del reference  # the table replaces the reference model for training
 
         def to_train_batch(batch: TokenBatch) -> TrainBatch:
             train_batch = placed(batch)
-            ref = jax.device_put(table.lookup(batch), train_batch.old_logprobs.sharding)
+            ref = place_tree(table.lookup(batch), train_batch.old_logprobs.sharding)
             return dataclasses.replace(train_batch, ref_logprobs=ref)
 
     return SupervisedTask(

@@ -18,19 +18,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 from typing import Any
 
 import jax
-import numpy as np
 from ml_collections import ConfigDict
 
 from feynrl_jax.checkpoints import convert_gguf, load_hf, load_tokenizer, smollm2_checkpoint_dir
 from feynrl_jax.config.errors import ConfigError, Problem
 from feynrl_jax.errors import InputError
 from feynrl_jax.models import ModelConfig, init_params
-from feynrl_jax.sharding import get_rules, make_mesh
+from feynrl_jax.sharding import get_rules, make_mesh, mesh_shape
 from feynrl_jax.train.optimizer import make_optimizer
+
+log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2"
 RESOLVED_CONFIG_FILE = "config.json"
@@ -169,8 +171,18 @@ def load_run_tokenizer(source: ModelSource) -> Any:
 
 
 def build_mesh(mesh_cfg: ConfigDict) -> tuple[jax.sharding.Mesh, Any]:
-    """The device mesh and logical-axis rules table of `config.mesh`."""
-    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor), get_rules(mesh_cfg.rules)
+    """The device mesh and logical-axis rules table of `config.mesh` (spanning every process's devices); the
+    run log gets one line naming its shape, the device and process counts."""
+    mesh = make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor)
+    log.info(
+        "mesh %s (rules %r) over %d devices in %d process(es), %d of them here",
+        mesh_shape(mesh),
+        mesh_cfg.rules,
+        mesh.devices.size,
+        jax.process_count(),
+        len(mesh.local_devices),
+    )
+    return mesh, get_rules(mesh_cfg.rules)
 
 
 def build_optimizer(optim_cfg: ConfigDict, total_steps: int):
@@ -202,8 +214,3 @@ def write_resolved_config(config: ConfigDict, run_dir: str) -> str:
         json.dump(config_dict(config), f, indent=1, sort_keys=True)
     os.replace(tmp, path)
     return path
-
-
-def host_tree(tree: Any) -> Any:
-    """Every leaf fetched to host NumPy (for comparisons and exports)."""
-    return jax.tree.map(np.asarray, tree)

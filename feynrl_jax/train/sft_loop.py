@@ -7,10 +7,14 @@ held-out split with the native engine and scores them with `config.eval.reward` 
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 from ml_collections import ConfigDict
 
 from feynrl_jax.data.from_config import build_mixture_from_config, build_sources_from_config
-from feynrl_jax.eval.evaluate import evaluator_from_config
+from feynrl_jax.eval.evaluate import GenerationEvaluator, evaluator_from_config
+from feynrl_jax.sharding import host_tree
 from feynrl_jax.train.run_lock import RunLock
 from feynrl_jax.train.supervised_loop import RunContext, SupervisedTask, place, run_supervised, sft_train_batch
 
@@ -28,6 +32,46 @@ def train_prompts(config: ConfigDict) -> frozenset:
     )
 
 
+class GenerationOnPrimary:
+    """The held-out generation evaluation of an SFT or DPO run, called by every process of the run.
+
+    One process: the evaluator's engine takes the trainer's params where they are (same shardings). Several
+    processes: each call gathers the params from every process (`host_tree`, a collective all of them make), and
+    process 0 alone generates, on its own devices, and writes the results; the others return no metrics.
+
+    Args:
+        evaluator: a `GenerationEvaluator`, or None on a process that does not evaluate.
+    """
+
+    def __init__(self, evaluator: GenerationEvaluator | None):
+        self.evaluator = evaluator
+
+    def __call__(self, params: Any, step: int) -> dict[str, float]:
+        if jax.process_count() > 1:
+            params = host_tree(params)
+        return self.evaluator(params, step) if self.evaluator is not None else {}
+
+    def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
+
+
+def generation_evaluation(config: ConfigDict, context: RunContext) -> GenerationOnPrimary:
+    """The held-out generation evaluation (`config.eval`, scored by `eval.reward`) of a supervised run."""
+    evaluator = None
+    if jax.process_index() == 0:
+        evaluator = evaluator_from_config(
+            config,
+            context.model_config,
+            None,
+            context.tokenizer,
+            param_shardings=context.train_step.state_shardings.params if jax.process_count() == 1 else None,
+            exclude_prompts=train_prompts(config),
+            results_dir=context.run_dir,
+        )
+    return GenerationOnPrimary(evaluator)
+
+
 def make_sft_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
     """The SFT batches (`train.global_batch_size` rows), the plain `TrainBatch` and the generation eval."""
     batches = build_mixture_from_config(
@@ -39,15 +83,7 @@ def make_sft_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
     )
     evaluator = None
     if config.eval.during_training and config.eval.reward:
-        evaluator = evaluator_from_config(
-            config,
-            context.model_config,
-            None,
-            context.tokenizer,
-            param_shardings=context.train_step.state_shardings.params,
-            exclude_prompts=train_prompts(config),
-            results_dir=context.run_dir,
-        )
+        evaluator = generation_evaluation(config, context)
     return SupervisedTask(
         batches=batches,
         to_train_batch=lambda batch: place(context.train_step, sft_train_batch(batch)),

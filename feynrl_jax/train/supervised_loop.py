@@ -8,6 +8,14 @@ Exact resume: a checkpoint at step `s` holds the train state after `s` updates, 
 `s` batches, the RNG and the config. A resumed run restores all of them and continues with batch `s + 1`, so
 its losses and final params equal those of a run that never stopped (bitwise on CPU; the test kills a run with
 SIGKILL at three points and compares).
+
+Several processes (`feynrl-jax train` started once per host, joined by `jax.distributed`): the mesh spans every
+process's devices and every process runs this same loop in step. Each one builds the same global batch plan (the
+data mixture is deterministic, so its checkpointed state is the same everywhere) and moves to its devices only
+the rows they hold; checkpoints are written by all of them together; process 0 alone writes `metrics.jsonl`,
+wandb, the progress bar and `config.json`, and runs the generation evaluation (on its own devices, with the
+params gathered from all). The losses equal a one-process run's on the same mesh shape
+(tests/test_multiprocess_cli.py).
 """
 
 from __future__ import annotations
@@ -181,7 +189,9 @@ def run_supervised(
             rng = progress.rng
             start = progress.step
             log.info("resumed %s from step %d of %d", run_dir, start, total_steps)
-        run_setup.write_resolved_config(config, run_dir)  # once the checkpoint it describes is known to be good
+        primary = jax.process_index() == 0
+        if primary:
+            run_setup.write_resolved_config(config, run_dir)  # once the checkpoint it describes is known to be good
 
         config_json = run_setup.config_dict(config)
         guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite)
@@ -191,12 +201,12 @@ def run_supervised(
                 run_dir,
                 total_steps=total_steps,
                 initial_step=start,
-                jsonl=config.tracking.jsonl,
-                use_wandb=config.tracking.wandb,
+                jsonl=config.tracking.jsonl and primary,
+                use_wandb=config.tracking.wandb and primary,
                 wandb_project=config.tracking.wandb_project,
                 wandb_name=config.name,
                 config=config_json,
-                progress_bar=config.tracking.progress_bar,
+                progress_bar=config.tracking.progress_bar and primary,
             )
         )
         if task.evaluate is not None and start == 0:
