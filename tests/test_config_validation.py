@@ -263,6 +263,7 @@ BAD_CONFIGS = [
     ),
     ("bad_dtype", _set("model.param_dtype", "fp8"), "model.param_dtype", "is not one of"),
     ("no_heartbeat", _set("distributed.heartbeat_timeout_s", 0), "distributed.heartbeat_timeout_s", "at least 1"),
+    ("no_trainer", _set("ray.trainer_processes", 0), "ray.trainer_processes", "at least 1"),
     (
         "no_join_time",
         _set("distributed.initialization_timeout_s", -5),

@@ -94,7 +94,7 @@ def test_trainer_and_rollout_workers_are_pinned_to_their_cores(ray_session, tmp_
     run = _Run(config)
     try:
         run.start_actors()
-        assert ray.get(run.trainer.cpu_cores.remote()) == [0]
+        assert ray.get(run.trainers[0].cpu_cores.remote()) == [0]
         assert [ray.get(w.status.remote())["cpu_cores"] for w in run.workers] == [[1], [1]]
     finally:
         run.close()

@@ -199,7 +199,10 @@ def base_config() -> ConfigDict:
     config.ray.log_to_driver = True  # Forward the actors' stdout/stderr to the driver.
     # GPUs per rollout worker: one placement group per worker keeps them on one node; vLLM's tensor-parallel size.
     config.ray.gpus_per_rollout_worker = 0
-    config.ray.trainer_gpus = 0  # GPUs of the RL trainer actor (its JAX devices).
+    config.ray.trainer_gpus = 0  # GPUs of the RL trainer actor (its JAX devices), of each when several.
+    # Processes of the RL trainer: Ray actors joined by jax.distributed into one job (one per host on a cluster),
+    # spread over the nodes; the mesh spans the devices of all of them.
+    config.ray.trainer_processes = 1
 
     config.lock()
     return config

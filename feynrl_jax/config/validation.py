@@ -90,7 +90,8 @@ def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
 
     Args:
         config: a config built on `base_config()`.
-        num_devices: the number of devices the mesh spans; None: `cpu_device_count_hint()`, and when that is
+        num_devices: the number of devices the mesh spans; None: `cpu_device_count_hint()` (times
+            `ray.trainer_processes` for RL, whose trainer processes each have this process's devices), and when that is
             None too the checks that need it are skipped (the batch checks still run when the mesh sizes are all
             explicit).
 
@@ -111,6 +112,8 @@ def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
     nonfinite.update(p.key for p in problems)
     if num_devices is None:
         num_devices = cpu_device_count_hint()
+        if num_devices is not None and config.paradigm == "rl":  # the trainer's processes each have as many
+            num_devices *= config.ray.trainer_processes
     _check_top(config, bad)
     _check_model(config.model, bad)
     _check_data(config, bad)
@@ -618,3 +621,4 @@ def _check_misc(config, bad):
     for key in ("gpus_per_rollout_worker", "trainer_gpus"):
         if not isinstance(config.ray[key], int) or config.ray[key] < 0:
             bad(f"ray.{key}", f"ray.{key}={config.ray[key]!r} must be an integer >= 0.")
+    _at_least(bad, "ray.trainer_processes", config.ray.trainer_processes, 1)

@@ -422,11 +422,24 @@ def run(config: Any) -> dict[str, float]:
     """`feynrl-jax eval`: evaluates the config's model on its eval split and writes `eval_results.json`.
 
     The engine is `rollout.engine`: the native JAX engine, or vLLM (started from a weightless folder in the run
-    folder, then given the params in memory, like an RL run's rollout workers).
+    folder, then given the params in memory, like an RL run's rollout workers). In a multi-process launch
+    process 0 evaluates on its own devices and writes the results; the other processes wait for it.
 
     Returns:
         The `eval/` metrics (also printed, one per line).
     """
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() > 1:  # a multi-process launch: process 0 evaluates, the others wait for it
+        try:
+            return _evaluate(config) if jax.process_index() == 0 else {}
+        finally:
+            multihost_utils.sync_global_devices("feynrl-jax eval finished")
+    return _evaluate(config)
+
+
+def _evaluate(config: Any) -> dict[str, float]:
     from feynrl_jax.train import run_setup
 
     run_dir = config.run_dir

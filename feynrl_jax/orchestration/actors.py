@@ -368,28 +368,78 @@ class RewardWorker:
 class TrainerActor:
     """Runs `RLTrainer` (train step, state, reference, critic, checkpoints, evaluation) and publishes params.
 
+    With `ray.trainer_processes = P > 1` the trainer is P of these actors, one JAX process each, joined by
+    `jax.distributed` into one job whose mesh spans all their devices: the driver makes every call on all of them
+    in the same order (each a step of the same SPMD program); process 0 alone publishes to the store, and its
+    answers are the ones the driver keeps. Such an actor is built in two calls: the constructor only records its
+    place (`process_id`), then `join(coordinator_address)` joins the job and builds the trainer.
+
     Args:
         config: the validated RL config.
         store: the `ParamStoreActor` handle.
+        spec: the rollout engine's `EngineSpec` (the format params are published in).
+        process_id: this actor's process id in a trainer of `ray.trainer_processes` > 1 processes, else None.
     """
 
-    def __init__(self, config: Any, store: Any, spec: EngineSpec):
-        self.store = store
+    def __init__(self, config: Any, store: Any, spec: EngineSpec, process_id: int | None = None):
+        self.config, self.store, self.spec = config, store, spec
         self.store_timeout_s = config.ray.stall_timeout_s
+        self.process_id = process_id
+        self.init_error = None
+        if process_id is None:
+            self._build()
+
+    def _build(self) -> None:
         with kept_until_ready(self):
-            pin_cpu_cores(config.train.cpu_cores)
+            pin_cpu_cores(self.config.train.cpu_cores)
             from feynrl_jax.train.rl_trainer import RLTrainer
 
-            self.trainer = RLTrainer(config)
-            self.for_engine = publish_format(spec, self.trainer.model_config)
+            self.trainer = RLTrainer(self.config)
+            self.for_engine = publish_format(self.spec, self.trainer.model_config)
+
+    def coordinator_address(self) -> str:
+        """`host:port` for the job's coordinator (process 0's): this node's address and a free port on it."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, coordinator_address: str) -> None:
+        """Joins the trainer's `jax.distributed` job (before any JAX work in this process), then builds the
+        trainer; an error is kept for `ready()`."""
+        from feynrl_jax.sharding.multihost import initialize_distributed
+
+        job = self.config.distributed
+        with kept_until_ready(self):
+            initialize_distributed(
+                {
+                    "FEYNRL_COORDINATOR_ADDRESS": coordinator_address,
+                    "FEYNRL_NUM_PROCESSES": str(self.config.ray.trainer_processes),
+                    "FEYNRL_PROCESS_ID": str(self.process_id),
+                },
+                initialization_timeout=job.initialization_timeout_s,
+                heartbeat_timeout=job.heartbeat_timeout_s,
+            )
+        if self.init_error is None:
+            self._build()
 
     def _publish(self, version: int) -> dict[str, float]:
-        """Publishes the params, in the rollout engine's format, as `version`; returns the publish figures."""
+        """Publishes the params, in the rollout engine's format, as `version`; returns the publish figures.
+
+        Every trainer process gathers the params (a collective); process 0 alone writes them to the store."""
         t0 = time.perf_counter()
         weights = self.for_engine(self.trainer.host_params())
         convert_seconds = time.perf_counter() - t0
+        if self.process_id:
+            return {}
         metrics = publish_params(self.store, weights, version, timeout_s=self.store_timeout_s)
         return {**metrics, "perf/publish_convert_seconds": convert_seconds}
+
+    def describe(self) -> dict[str, Any]:
+        """`RLTrainer.describe`: the trainer's processes, devices and mesh."""
+        return self.trainer.describe()
 
     def ready(self) -> int:
         """The process id; raises what the construction raised (a bad checkpoint, a mesh that does not fit)."""

@@ -26,23 +26,27 @@ from feynrl_jax.orchestration.runtime import ACTOR_CPUS
 def check_gpus(config: Any) -> None:
     """Raises `InputError` when the Ray cluster has fewer GPUs than `config.ray` asks for (names the keys)."""
     per_worker, trainer = config.ray.gpus_per_rollout_worker, config.ray.trainer_gpus
-    needed = trainer + config.rollout.num_workers * per_worker
+    needed = trainer * config.ray.trainer_processes + config.rollout.num_workers * per_worker
     if not needed:
         return
     available = ray.cluster_resources().get("GPU", 0)
     if needed > available:
         raise InputError(
-            f"the run needs {needed:g} GPUs (ray.trainer_gpus={trainer} + rollout.num_workers="
+            f"the run needs {needed:g} GPUs (ray.trainer_gpus={trainer} x ray.trainer_processes="
+            f"{config.ray.trainer_processes} + rollout.num_workers="
             f"{config.rollout.num_workers} x ray.gpus_per_rollout_worker={per_worker}) but the Ray cluster has "
             f"{available:g}; lower those keys or add GPUs"
         )
 
 
 def trainer_options(config: Any) -> dict[str, Any]:
-    """Ray actor options of the trainer: its CPU share and `ray.trainer_gpus` GPUs."""
+    """Ray actor options of a trainer process: its CPU share and `ray.trainer_gpus` GPUs; several trainer
+    processes (`ray.trainer_processes`) are spread over the nodes where Ray can."""
     options: dict[str, Any] = {"num_cpus": ACTOR_CPUS["trainer"]}
     if config.ray.trainer_gpus:
         options["num_gpus"] = config.ray.trainer_gpus
+    if config.ray.trainer_processes > 1:
+        options["scheduling_strategy"] = "SPREAD"
     return options
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -283,7 +284,9 @@ class _Run:
         self.evaluator = None
         self.lost_batches = 0
         self.reward_retries = 0
-        self.store = self.trainer = self.reward = None
+        self.store = self.reward = None
+        self.trainers: list[Any] = []  # one actor per trainer process (`ray.trainer_processes`)
+        self.trainer_calls = threading.Lock()  # every trainer process gets the calls in the same order
         self.workers: list[Any] = []
 
     def start_actors(self) -> None:
@@ -291,7 +294,7 @@ class _Run:
         config, model_config, source = self.config, self.model_config, self.source
         check_gpus(config)
         self.store = ParamStoreActor.options(num_cpus=ACTOR_CPUS["store"]).remote()
-        self.trainer = TrainerActor.options(**trainer_options(config)).remote(config, self.store, self.engine_spec)
+        self.trainers = start_trainers(config, self.store, self.engine_spec)
         restarts = dict(max_restarts=config.ray.max_restarts, max_task_retries=0)
         self.placement = WorkerPlacement(config)
         self.workers = [
@@ -316,7 +319,7 @@ class _Run:
 
     def named_actors(self) -> list[tuple[Any, str]]:
         """`(handle, name)` of every actor started so far."""
-        named = [(self.store, "parameter store"), (self.trainer, "trainer"), (self.reward, "reward scorer")]
+        named = [(self.store, "parameter store"), *self.named_trainers(), (self.reward, "reward scorer")]
         named += [(w, f"rollout worker {i}") for i, w in enumerate(self.workers)]
         return [(a, n) for a, n in named if a is not None]
 
@@ -328,6 +331,14 @@ class _Run:
         refs = [(actor.ready.remote(), name) for actor, name in self.named_actors()]
         for ref, name in refs:
             get_within(ref, name=name, timeout_s=max(STARTUP_TIMEOUT_S, self.config.ray.stall_timeout_s))
+        where = self.on_trainer("describe")
+        log.info(
+            "trainer: mesh %s over %d devices in %d process(es), %d in each",
+            where["mesh"],
+            where["devices"],
+            where["processes"],
+            where["local_devices"],
+        )
 
     def _generate_scored(self, seed: int, snapshot: ParamsSnapshot) -> tuple[Scored, dict[str, float]]:
         batch = next(self.prompts)
@@ -413,10 +424,24 @@ class _Run:
         metrics.update(self.prompts.metrics())  # rows skipped (by reason and source), examples taken per source
         return scored, metrics
 
+    def named_trainers(self) -> list[tuple[Any, str]]:
+        """`(handle, name)` of the trainer's processes: "trainer", or "trainer process <i>" when several."""
+        if len(self.trainers) == 1:
+            return [(self.trainers[0], "trainer")]
+        return [(t, f"trainer process {i}") for i, t in enumerate(self.trainers)]
+
     def on_trainer(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Calls a trainer method and waits for it, watched by liveness pings (a stalled trainer ends the run)."""
-        ref = getattr(self.trainer, method).remote(*args, **kwargs)
-        return get_alive(ref, self.trainer, name="trainer", stall_timeout_s=self.config.ray.stall_timeout_s)
+        """Calls a trainer method and waits for it, watched by liveness pings (a stalled trainer ends the run).
+
+        With several trainer processes the call goes to each (submitted under one lock, so that every process
+        runs the same sequence of collective programs) and process 0's answer is returned.
+        """
+        with self.trainer_calls:
+            refs = [(getattr(t, method).remote(*args, **kwargs), t, name) for t, name in self.named_trainers()]
+        answers = [
+            get_alive(ref, t, name=name, stall_timeout_s=self.config.ray.stall_timeout_s) for ref, t, name in refs
+        ]
+        return answers[0]
 
     def snapshot(self) -> ParamsSnapshot | None:
         """The store's front version (bounded by `ray.stall_timeout_s`)."""
@@ -453,11 +478,10 @@ class _Run:
         if self.evaluator is not None:
             self.evaluator.close()
         try:
-            for actor, name in ((self.trainer, "trainer"), (self.reward, "reward scorer")):
-                if actor is None:
-                    continue
+            closing = [(a.close.remote(), n) for a, n in (*self.named_trainers(), (self.reward, "reward scorer")) if a]
+            for ref, name in closing:
                 try:
-                    get_within(actor.close.remote(), name=name, timeout_s=max(self.config.ray.stall_timeout_s, 60))
+                    get_within(ref, name=name, timeout_s=max(self.config.ray.stall_timeout_s, 60))
                 except (ActorStalled, *WORKER_FAILURES) as error:
                     log.warning("closing the %s failed: %s", name, error)
         finally:
@@ -511,7 +535,9 @@ def run(config: ConfigDict, *, rollout_delay: Callable[[int], float] | None = No
     """
     if config.paradigm != "rl":
         raise ValueError(f"rl_loop.run needs config.paradigm='rl', got {config.paradigm!r}")
-    validate(config, num_devices=jax.device_count())
+    # The trainer's processes each have this machine's kind of devices (on GPUs: Ray decides, the trainer checks).
+    trainer_devices = None if config.ray.trainer_gpus else jax.local_device_count() * config.ray.trainer_processes
+    validate(config, num_devices=trainer_devices)
     with RunLock(config.run_dir):
         driver = _Run(config, rollout_delay)
         started = start_ray(config.ray)
@@ -520,6 +546,23 @@ def run(config: ConfigDict, *, rollout_delay: Callable[[int], float] | None = No
         finally:
             if started:
                 ray.shutdown()
+
+
+def start_trainers(config: ConfigDict, store: Any, spec: Any) -> list[Any]:
+    """The trainer's actors: one, or `ray.trainer_processes` joined into one `jax.distributed` job whose
+    coordinator runs in process 0 (its node's address, a free port there)."""
+    options = trainer_options(config)
+    processes = config.ray.trainer_processes
+    if processes == 1:
+        return [TrainerActor.options(**options).remote(config, store, spec)]
+    trainers = [TrainerActor.options(**options).remote(config, store, spec, process_id=i) for i in range(processes)]
+    address = get_within(
+        trainers[0].coordinator_address.remote(), name="trainer process 0", timeout_s=STARTUP_TIMEOUT_S
+    )
+    log.info("trainer: %d processes joining one JAX job, coordinator %s", processes, address)
+    for trainer in trainers:  # each joins in its own process; `ready()` waits for it and reports its error
+        trainer.join.remote(address)
+    return trainers
 
 
 def _checkpoint_due(config: ConfigDict, step: int) -> bool:

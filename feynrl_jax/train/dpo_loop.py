@@ -184,7 +184,11 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
 
     evaluator = None
     if config.eval.during_training:
-        generation = generation_evaluation(config, context) if config.eval.reward else None
+        generation = None
+        if config.eval.reward:
+            generation = generation_evaluation(
+                config, context.model_config, context.tokenizer, param_shardings=step.state_shardings.params
+            )
         evaluator = PreferenceEvaluator(
             _held_out_pairs(config, context.tokenizer, pairs),
             logprob_fn,

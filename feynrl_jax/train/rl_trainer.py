@@ -60,7 +60,7 @@ from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
-from feynrl_jax.sharding import batch_size_multiple
+from feynrl_jax.sharding import batch_size_multiple, host_tree, mesh_shape
 from feynrl_jax.train import run_setup
 from feynrl_jax.train.critic import critic_params_shape, critic_values, init_critic_params, make_critic_train_step
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
@@ -228,7 +228,7 @@ class Layout:
 
     def to_rows(self, per_token: jax.Array) -> np.ndarray:
         """A forward pass's `[rows, width]` output of the training layout, as `[N, seq_len]` float32."""
-        out = np.asarray(per_token, np.float32)
+        out = np.asarray(host_tree(per_token), np.float32)
         return out if self.shared is None else self.shared.unpack(out, self.rows.tokens.shape[1])
 
     def training(self, batch: TrainBatch) -> TrainBatch:
@@ -546,8 +546,18 @@ class RLTrainer:
         return Restored(progress.step, progress.policy_version, rng, progress.data_state)
 
     def host_params(self) -> dict[str, Any]:
-        """The policy params fetched to host NumPy (what the parameter store publishes)."""
-        return jax.device_get(self.state.params)
+        """The policy params fetched to host NumPy (what the parameter store publishes); with several trainer
+        processes a collective that gathers them on every process."""
+        return host_tree(self.state.params)
+
+    def describe(self) -> dict[str, Any]:
+        """Where the trainer runs: its processes, devices and mesh (the driver logs it)."""
+        return {
+            "processes": jax.process_count(),
+            "devices": jax.device_count(),
+            "local_devices": jax.local_device_count(),
+            "mesh": mesh_shape(self.mesh),
+        }
 
     # One RL step -----------------------------------------------------------------------------------------------
 
@@ -681,18 +691,14 @@ class RLTrainer:
     # Evaluation and shutdown -----------------------------------------------------------------------------------
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out `eval/` metrics of the current policy (`config.eval`), with the native engine on the mesh."""
+        """Held-out `eval/` metrics of the current policy (`config.eval`) with the native engine, samples in
+        `eval_results_step<step>.json`: on the mesh, or, with several trainer processes, on process 0's devices
+        with the params gathered from all (the other processes return no metrics)."""
         if self.evaluator is None:
-            from feynrl_jax.eval.evaluate import evaluator_from_config
-            from feynrl_jax.train.sft_loop import train_prompts
+            from feynrl_jax.train.sft_loop import generation_evaluation
 
-            self.evaluator = evaluator_from_config(
-                self.config,
-                self.model_config,
-                None,
-                self.tokenizer,
-                param_shardings=self.train_step.state_shardings.params,
-                exclude_prompts=train_prompts(self.config),
+            self.evaluator = generation_evaluation(
+                self.config, self.model_config, self.tokenizer, param_shardings=self.train_step.state_shardings.params
             )
         return self.evaluator(self.state.params, step)
 

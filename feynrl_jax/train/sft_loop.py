@@ -33,7 +33,7 @@ def train_prompts(config: ConfigDict) -> frozenset:
 
 
 class GenerationOnPrimary:
-    """The held-out generation evaluation of an SFT or DPO run, called by every process of the run.
+    """The held-out generation evaluation of a run (SFT, DPO, the RL trainer's), called by every process of it.
 
     One process: the evaluator's engine takes the trainer's params where they are (same shardings). Several
     processes: each call gathers the params from every process (`host_tree`, a collective all of them make), and
@@ -56,18 +56,21 @@ class GenerationOnPrimary:
             self.evaluator.close()
 
 
-def generation_evaluation(config: ConfigDict, context: RunContext) -> GenerationOnPrimary:
-    """The held-out generation evaluation (`config.eval`, scored by `eval.reward`) of a supervised run."""
+def generation_evaluation(
+    config: ConfigDict, model_config: Any, tokenizer: Any, *, param_shardings: Any
+) -> GenerationOnPrimary:
+    """The held-out generation evaluation (`config.eval`, scored by `eval.reward`, samples written to
+    `<run_dir>/eval_results_step<N>.json`) of a run whose trainer holds params at `param_shardings`."""
     evaluator = None
     if jax.process_index() == 0:
         evaluator = evaluator_from_config(
             config,
-            context.model_config,
+            model_config,
             None,
-            context.tokenizer,
-            param_shardings=context.train_step.state_shardings.params if jax.process_count() == 1 else None,
+            tokenizer,
+            param_shardings=param_shardings if jax.process_count() == 1 else None,
             exclude_prompts=train_prompts(config),
-            results_dir=context.run_dir,
+            results_dir=config.run_dir,
         )
     return GenerationOnPrimary(evaluator)
 
@@ -83,7 +86,9 @@ def make_sft_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
     )
     evaluator = None
     if config.eval.during_training and config.eval.reward:
-        evaluator = generation_evaluation(config, context)
+        evaluator = generation_evaluation(
+            config, context.model_config, context.tokenizer, param_shardings=context.train_step.state_shardings.params
+        )
     return SupervisedTask(
         batches=batches,
         to_train_batch=lambda batch: place(context.train_step, sft_train_batch(batch)),

@@ -1,0 +1,93 @@
+"""The RL trainer as 2 Ray actors joined by `jax.distributed` (`ray.trainer_processes=2`, 4 fake CPU devices each)
+against 1 trainer process with 8: the real `feynrl-jax train` on `configs/tiny_rl.py`, sync GRPO, a data 2 x fsdp 4
+mesh whose parameter shards live in both processes.
+
+Same mesh shape, same partitioned programs: the per-step gradient norms and losses agree to float32
+reduction-order rounding (tolerances justified below), and the rollouts of every step, sampled with the params the
+trainer published, are the same (equal rewards), which needs the params of both layouts to agree closely.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import resume_harness as harness
+
+from feynrl_jax.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+REWARD = """
+def vowel_share(prompt, completion, example):
+    return sum(c in "aeiou" for c in completion) / max(len(completion), 1)
+"""
+
+
+def run_rl(tmp_path, name: str, *, processes: int) -> Path:
+    run_dir = tmp_path / name
+    # A reward that varies within every group (a random tiny model never solves chain_sum): real advantages and
+    # gradients, so the comparison is of training, not of rounding noise around zero.
+    (tmp_path / "mp_reward.py").write_text(REWARD)
+    env = harness.subprocess_env(tmp_path, devices=8 // processes, PYTHONPATH=str(tmp_path))
+    command = [
+        sys.executable,
+        "-m",
+        "feynrl_jax.cli.main",
+        "train",
+        f"--config={ROOT / 'configs' / 'tiny_rl.py'}",
+        f"--config.run_dir={run_dir}",
+        f"--config.train.steps={STEPS}",
+        "--config.mesh.data=2",
+        "--config.mesh.fsdp=4",
+        "--config.mesh.rules=fsdp",
+        "--config.checkpoint.every_steps=2",
+        "--config.train.eval_every=2",
+        f"--config.ray.trainer_processes={processes}",
+        '--config.rollout.rewards={"mp_reward:vowel_share": 1.0}',
+        "--config.optim.lr=1e-3",
+        # Adam turns a gradient component that is rounding noise (~1e-9, of either sign) into a full +-lr step
+        # unless eps dominates it; with eps 1e-4 such components move by ~1e-8 and both layouts keep sampling
+        # the same tokens.
+        "--config.optim.eps=1e-4",
+    ]
+    import subprocess
+
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    harness.wait_success(proc, timeout=600)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_trainer_processes_train_like_one(tmp_path):
+    one = run_rl(tmp_path, "one", processes=1)
+    two = run_rl(tmp_path, "two", processes=2)
+
+    def per_step(run_dir, key):
+        records = [r for r in read_metrics(str(run_dir)) if r["step"] >= 1]
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        return [r[key] for r in records]
+
+    assert min(np.abs(per_step(one, "train/advantage_abs_mean"))) > 0.1  # a real training signal
+    # The same rollouts every step (the published params agree closely enough to sample the same tokens).
+    assert per_step(two, "rollout/reward/total/mean") == per_step(one, "rollout/reward/total/mean")
+    np.testing.assert_allclose(per_step(two, "train/grad_norm"), per_step(one, "train/grad_norm"), rtol=1e-5)
+    # GRPO's loss is a sum of terms of size |advantage| ~ 0.7 that nearly cancel (advantages have mean 0): its
+    # rounding error is absolute, ~1e-7 per term summed over a few hundred tokens, so 1e-6 absolute.
+    np.testing.assert_allclose(per_step(two, "train/loss"), per_step(one, "train/loss"), rtol=0, atol=1e-6)
+    with open(os.path.join(two, "run.log")) as f:
+        log = f.read()
+    assert "trainer: 2 processes joining one JAX job" in log
+    assert "trainer: mesh {'data': 2, 'fsdp': 4, 'tensor': 1} over 8 devices in 2 process(es), 4 in each" in log
+    # Process 0 evaluated on the gathered params: the same held-out figures as the one-process trainer.
+    evaluated = lambda run_dir: [r for r in read_metrics(str(run_dir)) if "eval/num_prompts" in r]  # noqa: E731
+    assert [r["step"] for r in evaluated(two)] == [r["step"] for r in evaluated(one)] == [0, 2, 3]
+    assert (two / "eval_results_step3.json").is_file()
