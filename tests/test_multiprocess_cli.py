@@ -115,8 +115,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_job(root, spec: str, processes: int, *, resume: bool = False) -> list[subprocess.Popen]:
-    """Starts `feynrl-jax train --config=<root>/tiny.py:<spec>` as `processes` processes sharing 8 CPU devices."""
+def start_job(
+    root, spec: str, processes: int, *, resume: bool = False, command: str = "train"
+) -> list[subprocess.Popen]:
+    """Starts `feynrl-jax <command> --config=<root>/tiny.py:<spec>` as `processes` processes sharing 8 CPU
+    devices."""
     address = f"127.0.0.1:{_free_port()}"
     procs = []
     for rank in range(processes):
@@ -126,10 +129,10 @@ def start_job(root, spec: str, processes: int, *, resume: bool = False) -> list[
                 FEYNRL_COORDINATOR_ADDRESS=address, FEYNRL_NUM_PROCESSES=str(processes), FEYNRL_PROCESS_ID=str(rank)
             )
         env = harness.subprocess_env(root, devices=8 // processes, TINY_ROOT=str(root), **launch)
-        command = [sys.executable, "-m", "feynrl_jax.cli.main", "train", f"--config={root / 'tiny.py'}:{spec}"]
+        argv = [sys.executable, "-m", "feynrl_jax.cli.main", command, f"--config={root / 'tiny.py'}:{spec}"]
         if resume:
-            command.append("--resume")
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            argv.append("--resume")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     return procs
 
 
@@ -213,3 +216,17 @@ def test_a_killed_process_stops_the_other_then_the_job_resumes(workspace):
     wait_job(start_job(root, "sft/killed", 2, resume=True))
     assert "resumed" in run_log(run_dir)
     np.testing.assert_array_equal(losses(run_dir), losses(reference))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_eval_in_two_processes_evaluates_once(workspace):
+    """`feynrl-jax eval` joins the job too: process 0 evaluates and writes the results, process 1 waits for it."""
+    root = workspace
+    wait_job(start_job(root, "sft/eval", 2, command="eval"))
+    with open(root / "sft_eval" / "eval_results.json") as f:
+        report = json.load(f)
+    assert report["metrics"]["eval/num_prompts"] == 4
+    log = run_log(root / "sft_eval")
+    assert "p0 INFO feynrl_jax.cli: joined the job as process 0 of 2" in log
+    assert "p1 INFO feynrl_jax.cli: joined the job as process 1 of 2" in log
