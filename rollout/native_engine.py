@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from feynrl_jax.models import KVCache, ModelConfig, unstack_layers
+from feynrl_jax.models import KVCache, ModelConfig, as_param_dtype, unstack_layers
 from feynrl_jax.rollout import sampling as sampling_lib
 from feynrl_jax.rollout.decode import decode_dispatch
 from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket, prefill
@@ -142,7 +142,7 @@ class NativeEngine:
         self._decode = jax.jit(
             dispatch, static_argnames=("greedy", "top_k", "use_top_p", "attend_len"), donate_argnums=1
         )
-        self._unstack_layers = jax.jit(unstack_layers)
+        self._unstack_layers = jax.jit(lambda params: unstack_layers(as_param_dtype(params, config)))
         self._state = self._init_state()
         self.load_params(params, policy_version)
 
@@ -150,7 +150,8 @@ class NativeEngine:
         """Replaces the params used by later `generate` calls; their rollouts carry `policy_version=version`.
 
         The engine keeps the layers split into per-layer arrays (`unstack_layers`, one copy made here), which
-        prefill and decode read without the per-layer slice copies of a scan over stacked layers.
+        prefill and decode read without the per-layer slice copies of a scan over stacked layers, in the model's
+        `param_dtype` (wider params, a trainer's float32 master weights, are rounded in that copy).
         """
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)

@@ -262,6 +262,7 @@ BAD_CONFIGS = [
         "and model.path are both",
     ),
     ("bad_dtype", _set("model.param_dtype", "fp8"), "model.param_dtype", "is not one of"),
+    ("bf16_masters", _set("model.master_dtype", "bfloat16"), "model.master_dtype", "is not one of '', 'float32'"),
     ("no_heartbeat", _set("distributed.heartbeat_timeout_s", 0), "distributed.heartbeat_timeout_s", "at least 1"),
     ("no_trainer", _set("ray.trainer_processes", 0), "ray.trainer_processes", "at least 1"),
     (

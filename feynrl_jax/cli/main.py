@@ -140,20 +140,25 @@ def _validated_config(command: str) -> ConfigDict:
     if config is None:
         raise CommandError(f"`feynrl-jax {command}` needs --config=configs/<name>.py.")
     validate(config)
-    process = _join_job(config)
+    process, coordinator = _join_job(config)
     _log_to(os.path.join(config.run_dir, RUN_LOG), process)
     if process:
         import jax
 
         logging.getLogger("feynrl_jax.cli").info(
-            "joined the job as process %d of %d: %s", jax.process_index(), jax.process_count(), _launch_text()
+            "joined the job as process %d of %d (coordinator %s): %s",
+            jax.process_index(),
+            jax.process_count(),
+            coordinator,
+            _launch_text(),
         )
     return config
 
 
-def _join_job(config: ConfigDict) -> str:
+def _join_job(config: ConfigDict) -> tuple[str, str]:
     """Joins a multi-process job (`jax.distributed`) when the environment says this is one, before any device
-    is touched; returns the tag of this process for the run log ("" for a single process)."""
+    is touched; returns the tag of this process for the run log ("" for a single process) and the coordinator's
+    address (as given or derived from SLURM's variables; the TPU runtime's own is not known here)."""
     from feynrl_jax.sharding.multihost import DistributedConfigError, initialize_distributed
 
     try:
@@ -169,10 +174,10 @@ def _join_job(config: ConfigDict) -> str:
             f"{config.distributed.initialization_timeout_s}: {type(e).__name__}: {str(e).splitlines()[0]}"
         ) from e
     if not spec.is_multiprocess:
-        return ""
+        return "", ""
     import jax
 
-    return f"p{jax.process_index()} "
+    return f"p{jax.process_index()} ", spec.coordinator_address or "from the TPU runtime"
 
 
 def _launch_text() -> str:

@@ -41,8 +41,13 @@ def base_config() -> ConfigDict:
     config.model.path = placeholder(str)  # A local Hugging Face folder (config.json + safetensors).
     config.model.gguf = placeholder(str)  # A GGUF file, or "smollm2" for the shipped SmolLM2-135M-Instruct.
     config.model.tokenizer = placeholder(str)  # Folder, GGUF file or "smollm2"; None: the model's own.
-    config.model.param_dtype = "float32"  # "float32" | "bfloat16" (use bfloat16 on GPU/TPU).
+    config.model.param_dtype = "float32"  # "float32" | "bfloat16" (GPU/TPU: with master_dtype="float32").
     config.model.compute_dtype = "float32"  # "float32" | "bfloat16".
+    # The train state's params and optimizer state (docs/DTYPES.md): "" (the same as param_dtype) | "float32" (float32
+    # master weights: with param_dtype="bfloat16" the model runs on them rounded to bfloat16 and the update is
+    # applied to the float32 masters, so steps smaller than a bfloat16 ulp are not lost). Checkpoints hold the
+    # masters; rollout engines, reference and evaluation get param_dtype weights; HF export writes param_dtype.
+    config.model.master_dtype = ""
     config.model.remat = "none"  # "none" | "full" | "dots": rematerialisation in the backward pass.
     config.model.random_init = False  # Random weights with the shape below (tests, benchmarks).
     config.model.arch = ConfigDict()  # Shape of a random-init model; ignored when weights are loaded.

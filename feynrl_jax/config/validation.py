@@ -26,6 +26,7 @@ from feynrl_jax.config.derived import effective_off_policy
 from feynrl_jax.config.errors import ConfigError, Problem, suggestion
 
 DTYPES = ("float32", "bfloat16")
+MASTER_DTYPES = ("", "float32")
 REMAT_POLICIES = ("none", "full", "dots")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 SCHEDULES = ("constant", "cosine")
@@ -202,6 +203,7 @@ def _check_model(model, bad):
         bad("model.tokenizer", "model.tokenizer is unset: a random-init model still needs a tokenizer.")
     _choice(bad, "model.param_dtype", model.param_dtype, DTYPES)
     _choice(bad, "model.compute_dtype", model.compute_dtype, DTYPES)
+    _choice(bad, "model.master_dtype", model.master_dtype, MASTER_DTYPES)
     _choice(bad, "model.remat", model.remat, REMAT_POLICIES)
     arch = model.arch
     _choice(bad, "model.arch.architecture", arch.architecture, ARCHITECTURES)

@@ -1,13 +1,14 @@
 """Decoder-only transformers (Llama, Qwen2, Qwen3, Mistral, SmolLM2) as pure JAX functions over a params dict.
 
 The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `forward`, `KVCache`, `init_cache`, `logits`,
-`sequence_logprobs`, `logical_axes`, `unstack_layers`.
+`sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`.
 """
 
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import (
     KVCache,
     Params,
+    as_param_dtype,
     forward,
     init_cache,
     init_params,
@@ -22,6 +23,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "Params",
+    "as_param_dtype",
     "forward",
     "init_cache",
     "init_params",

@@ -16,7 +16,9 @@ Params pytree (the table in docs/CONTRACTS.md; `L` layers stacked on axis 0):
 
 Scanning the layers keeps compile time flat in depth; decoding instead runs per-layer params (`unstack_layers`)
 in a Python loop, which spares every layer the copy of its slice of the stacked weights and cache. Parameters
-are cast to `compute_dtype` where used; RMSNorm statistics, the attention softmax and the logits are float32.
+stored in another dtype than `param_dtype` (the float32 master weights of a bfloat16 model) are first rounded to
+`param_dtype` (`as_param_dtype`), then cast to `compute_dtype` where used; RMSNorm statistics, the attention
+softmax and the logits are float32 (docs/DTYPES.md).
 
 References:
     Touvron et al., "LLaMA", 2023 (arXiv:2302.13971); Zhang & Sennrich, "Root Mean Square Layer
@@ -150,6 +152,17 @@ def _init_params(config: ModelConfig, rng: jax.Array) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
+def as_param_dtype(params: Params, config: ModelConfig) -> Params:
+    """`params` with every leaf in `config.param_dtype`: the weights the model computes with.
+
+    A train state may hold wider master weights (float32 masters of a bfloat16 model, `model.master_dtype`);
+    `forward`, `logits`, the native engine and the trainer's weight publication round them to `param_dtype`
+    here. Leaves already in `param_dtype` are returned as they are (no copy, no op under jit).
+    """
+    dtype = jnp.dtype(config.param_dtype)
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm with float32 statistics; returns `x`'s dtype. `x: [..., N]`, `scale: [N]`."""
     xf = x.astype(jnp.float32)
@@ -225,7 +238,8 @@ def forward(
     same function.
 
     Args:
-        params: the params pytree, layers stacked or unstacked (`unstack_layers`).
+        params: the params pytree, layers stacked or unstacked (`unstack_layers`), in `param_dtype` or wider
+            (rounded to it first, `as_param_dtype`).
         tokens: `[B, T]` int32 token ids.
         positions: `[B, T]` int32 positions (restart at 0 in every packed segment).
         config: the model config (static under jit).
@@ -242,6 +256,7 @@ def forward(
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
     """
     dtype = jnp.dtype(config.compute_dtype)
+    params = as_param_dtype(params, config)
     x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype)
     cos, sin = rope_cos_sin(positions, config)
     batch_idx = jnp.arange(tokens.shape[0])[:, None]
@@ -366,7 +381,7 @@ def logits(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Arr
     """Output projection (the tied embedding or `lm_head`).
 
     Args:
-        params: the params pytree.
+        params: the params pytree (the projection is rounded to `param_dtype` first, `as_param_dtype`).
         hidden: `[B, T, D]` from `forward`.
         config: the model config.
 
@@ -375,9 +390,7 @@ def logits(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Arr
     """
     dtype = hidden.dtype
     if config.tie_word_embeddings:
-        return jnp.einsum(
-            "btd,vd->btv", hidden, params["embed"]["embedding"].astype(dtype), preferred_element_type=jnp.float32
-        )
-    return jnp.einsum(
-        "btd,dv->btv", hidden, params["lm_head"]["kernel"].astype(dtype), preferred_element_type=jnp.float32
-    )
+        weight = as_param_dtype(params["embed"]["embedding"], config).astype(dtype)
+        return jnp.einsum("btd,vd->btv", hidden, weight, preferred_element_type=jnp.float32)
+    weight = as_param_dtype(params["lm_head"]["kernel"], config).astype(dtype)
+    return jnp.einsum("btd,dv->btv", hidden, weight, preferred_element_type=jnp.float32)

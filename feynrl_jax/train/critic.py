@@ -76,6 +76,11 @@ def critic_params_shape(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def critic_params_spec(config: ModelConfig) -> ParamsSpec:
+    """The critic params' logical axes and shapes (``.with_master_dtype("float32")`` for float32 masters)."""
+    return ParamsSpec(critic_logical_axes(config), critic_params_shape(config))
+
+
 def critic_values(
     params: dict[str, Any],
     tokens: jax.Array,
@@ -147,6 +152,7 @@ def make_critic_train_step(
     vf_coef: float = 1.0,
     grad_accum: int,
     remat: str | None = None,
+    params_spec: ParamsSpec | None = None,
 ) -> TrainStep:
     """The critic's jitted train step (``make_train_step`` with values in place of log-probabilities).
 
@@ -159,6 +165,9 @@ def make_critic_train_step(
         vf_coef: scale of the critic's loss (see ``value_loss``).
         grad_accum: micro-batches per update.
         remat: rematerialisation policy.
+        params_spec: the state's params (None: ``critic_params_spec(config)``; float32 master weights:
+            ``critic_params_spec(config).with_master_dtype("float32")``; the backbone is rounded to
+            ``config.param_dtype`` in ``forward``).
 
     Returns:
         A ``TrainStep`` over the critic params; ``step.init_state(init_critic_params(...))`` starts it.
@@ -173,6 +182,6 @@ def make_critic_train_step(
         mesh,
         rules,
         predict=predict,
-        params_spec=ParamsSpec(critic_logical_axes(config), critic_params_shape(config)),
+        params_spec=critic_params_spec(config) if params_spec is None else params_spec,
         grad_accum=grad_accum,
     )

@@ -58,19 +58,18 @@ from feynrl_jax.config.derived import (
 from feynrl_jax.losses import ALGORITHMS, Algorithm, TrainBatch, compute_metrics
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
-from feynrl_jax.models import ModelConfig
+from feynrl_jax.models import ModelConfig, as_param_dtype
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
 from feynrl_jax.sharding import batch_size_multiple, host_tree, mesh_shape
 from feynrl_jax.train import run_setup
-from feynrl_jax.train.critic import critic_params_shape, critic_values, init_critic_params, make_critic_train_step
+from feynrl_jax.train.critic import critic_params_spec, critic_values, init_critic_params, make_critic_train_step
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
 from feynrl_jax.train.loss_parts import logprob_diagnostic_metrics, old_logprobs_from_current, with_logprob_diagnostics
 from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
 from feynrl_jax.train.rl_batch import rollouts_to_batch, scatter_completion, sequence_reward_at_last_token
 from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_prefix_rows
-from feynrl_jax.train.state import TrainState, create_train_state
+from feynrl_jax.train.state import TrainState
 from feynrl_jax.train.step import ParamsSpec, make_train_step, model_logprob_fn
-from feynrl_jax.train.supervised_loop import abstract_train_state
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +397,7 @@ class RLTrainer:
             self.mesh,
             self.rules,
             predict=predict,
-            params_spec=ParamsSpec.of_model(self.model_config),
+            params_spec=ParamsSpec.of_model(self.model_config).with_master_dtype(config.model.master_dtype or None),
             grad_accum=self.plan.grad_accum_steps,
             learning_rate_fn=schedule,
         )
@@ -425,6 +424,7 @@ class RLTrainer:
                 value_clip=settings.value_clip,
                 vf_coef=settings.vf_coef,
                 grad_accum=self.plan.grad_accum_steps,
+                params_spec=critic_params_spec(self.model_config).with_master_dtype(config.model.master_dtype or None),
             )
             self._values = jax.jit(functools.partial(critic_values, config=self.model_config))
         self.guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite)
@@ -496,16 +496,9 @@ class RLTrainer:
         )
 
     def _abstract_state(self) -> dict[str, Any]:
-        tree = {"policy": abstract_train_state(self.train_step, self.optimizer, self.model_config)}
+        tree = {"policy": self.train_step.abstract_state}
         if self.critic_step is not None:
-            shapes = jax.eval_shape(
-                lambda p: create_train_state(p, self.critic_optimizer), critic_params_shape(self.model_config)
-            )
-            tree["critic"] = jax.tree.map(
-                lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                shapes,
-                self.critic_step.state_shardings,
-            )
+            tree["critic"] = self.critic_step.abstract_state
         return tree
 
     def start(self) -> Restored:
@@ -546,9 +539,10 @@ class RLTrainer:
         return Restored(progress.step, progress.policy_version, rng, progress.data_state)
 
     def host_params(self) -> dict[str, Any]:
-        """The policy params fetched to host NumPy (what the parameter store publishes); with several trainer
-        processes a collective that gathers them on every process."""
-        return host_tree(self.state.params)
+        """The policy params in `model.param_dtype` (float32 masters rounded on the device first) fetched to host
+        NumPy (what the parameter store publishes); with several trainer processes a collective that gathers them
+        on every process."""
+        return host_tree(as_param_dtype(self.state.params, self.model_config))
 
     def describe(self) -> dict[str, Any]:
         """Where the trainer runs: its processes, devices and mesh (the driver logs it)."""

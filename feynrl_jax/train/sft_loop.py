@@ -14,6 +14,7 @@ from ml_collections import ConfigDict
 
 from feynrl_jax.data.from_config import build_mixture_from_config, build_sources_from_config
 from feynrl_jax.eval.evaluate import GenerationEvaluator, evaluator_from_config
+from feynrl_jax.models import ModelConfig, as_param_dtype
 from feynrl_jax.sharding import host_tree
 from feynrl_jax.train.run_lock import RunLock
 from feynrl_jax.train.supervised_loop import RunContext, SupervisedTask, place, run_supervised, sft_train_batch
@@ -36,19 +37,22 @@ class GenerationOnPrimary:
     """The held-out generation evaluation of a run (SFT, DPO, the RL trainer's), called by every process of it.
 
     One process: the evaluator's engine takes the trainer's params where they are (same shardings). Several
-    processes: each call gathers the params from every process (`host_tree`, a collective all of them make), and
-    process 0 alone generates, on its own devices, and writes the results; the others return no metrics.
+    processes: each call rounds the params to `param_dtype` on the devices (float32 masters travel as the bfloat16
+    weights the engine would use), gathers them from every process (`host_tree`, a collective all of them make),
+    and process 0 alone generates, on its own devices, and writes the results; the others return no metrics.
 
     Args:
         evaluator: a `GenerationEvaluator`, or None on a process that does not evaluate.
+        model_config: the model's config (its `param_dtype`).
     """
 
-    def __init__(self, evaluator: GenerationEvaluator | None):
+    def __init__(self, evaluator: GenerationEvaluator | None, model_config: ModelConfig):
         self.evaluator = evaluator
+        self.model_config = model_config
 
     def __call__(self, params: Any, step: int) -> dict[str, float]:
         if jax.process_count() > 1:
-            params = host_tree(params)
+            params = host_tree(as_param_dtype(params, self.model_config))
         return self.evaluator(params, step) if self.evaluator is not None else {}
 
     def close(self) -> None:
@@ -57,7 +61,7 @@ class GenerationOnPrimary:
 
 
 def generation_evaluation(
-    config: ConfigDict, model_config: Any, tokenizer: Any, *, param_shardings: Any
+    config: ConfigDict, model_config: ModelConfig, tokenizer: Any, *, param_shardings: Any
 ) -> GenerationOnPrimary:
     """The held-out generation evaluation (`config.eval`, scored by `eval.reward`, samples written to
     `<run_dir>/eval_results_step<N>.json`) of a run whose trainer holds params at `param_shardings`."""
@@ -72,7 +76,7 @@ def generation_evaluation(
             exclude_prompts=train_prompts(config),
             results_dir=config.run_dir,
         )
-    return GenerationOnPrimary(evaluator)
+    return GenerationOnPrimary(evaluator, model_config)
 
 
 def make_sft_task(config: ConfigDict, context: RunContext) -> SupervisedTask:

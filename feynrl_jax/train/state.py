@@ -16,8 +16,10 @@ class TrainState:
     """Everything one optimisation step reads and writes.
 
     Attributes:
-        params: the model params pytree.
-        opt_state: the optax state (mirrors ``params`` for Adam's moments).
+        params: the model params pytree, in the dtypes of the step's ``ParamsSpec``: the model's ``param_dtype``, or
+            float32 master weights (``model.master_dtype``) that consumers round to ``param_dtype``
+            (``feynrl_jax.models.as_param_dtype``; docs/DTYPES.md).
+        opt_state: the optax state (mirrors ``params``, dtypes included, for Adam's moments).
         step: int32 scalar, the number of updates applied (skipped non-finite steps do not count).
         nonfinite_streak: int32 scalar, consecutive steps skipped for a non-finite gradient, loss, updated params
             or updated optimizer state (0 after any applied step).

@@ -3,8 +3,13 @@
 ``make_train_step`` builds ``step(state, batch) -> (state, metrics)`` from two parts the caller composes:
 ``predict(params, batch) -> (per_token [B, T], entropy [B, T] or None)`` (the policy's log-probabilities,
 ``model_logprob_fn``; the critic's values) and the loss (``loss(per_token, batch, *, entropy=None, **hp)``,
-possibly wrapped by ``feynrl_jax.train.loss_parts``). The params' logical axes and shapes come as a ``ParamsSpec``
-(``ParamsSpec.of_model(config)`` for a model config).
+possibly wrapped by ``feynrl_jax.train.loss_parts``). The params' logical axes, shapes and dtypes come as a
+``ParamsSpec`` (``ParamsSpec.of_model(config)`` for a model config); its dtypes are the train state's.
+
+Mixed precision (docs/DTYPES.md): with ``ParamsSpec.of_model(config).with_master_dtype("float32")`` the state holds
+float32 master params and a float32 optimizer state while ``predict`` (the model) rounds them to the model's
+``param_dtype`` (``feynrl_jax.models.as_param_dtype``) and computes in its ``compute_dtype``: the gradient of the
+bfloat16 forward pass is applied to the float32 masters, so updates smaller than a bfloat16 ulp accumulate.
 
 1. the batch ``[B, T]`` is dealt into ``grad_accum`` micro-batches (``microbatch.split_microbatches``);
 2. ``lax.scan`` over them runs ``predict`` (cast to float32), calls the loss (with ``entropy=`` when predict
@@ -62,11 +67,11 @@ Predict = Callable[[Any, TrainBatch], tuple[jax.Array, jax.Array | None]]
 
 @dataclasses.dataclass(frozen=True)
 class ParamsSpec:
-    """The params' logical axes and shapes: what the step needs to shard params and optimizer state.
+    """The params' logical axes, shapes and dtypes: what the step needs to shard and hold params and optimizer state.
 
     Attributes:
         logical_axes: pytree of logical-axis tuples (``feynrl_jax.models.logical_axes``), like the params.
-        shape: pytree of ``jax.ShapeDtypeStruct`` (or arrays), like the params.
+        shape: pytree of ``jax.ShapeDtypeStruct`` (or arrays), like the params; their dtypes are the train state's.
     """
 
     logical_axes: Any
@@ -76,6 +81,26 @@ class ParamsSpec:
     def of_model(cls, config: ModelConfig) -> ParamsSpec:
         """The spec of ``init_params(config, key)`` (shapes by ``jax.eval_shape``: nothing is allocated)."""
         return cls(logical_axes(config), jax.eval_shape(functools.partial(init_params, config), jax.random.key(0)))
+
+    def with_master_dtype(self, dtype: str | None) -> ParamsSpec:
+        """The spec of a state holding master weights: every floating leaf widened to at least ``dtype``.
+
+        Each leaf takes ``jnp.promote_types(leaf dtype, dtype)``: ``"float32"`` makes bfloat16 leaves float32 and
+        leaves float32 ones (a critic's value head) as they are. The optimizer state follows the params' dtypes.
+
+        Args:
+            dtype: the master dtype (``model.master_dtype``), or None: this spec unchanged.
+        """
+        if dtype is None:
+            return self
+        master = jnp.dtype(dtype)
+
+        def widen(leaf: Any) -> jax.ShapeDtypeStruct:
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            return jax.ShapeDtypeStruct(leaf.shape, jnp.promote_types(leaf.dtype, master))
+
+        return ParamsSpec(self.logical_axes, jax.tree.map(widen, self.shape))
 
 
 def model_logprob_fn(
@@ -128,12 +153,16 @@ class TrainStep:
     Attributes:
         mesh: the device mesh.
         state_shardings: ``TrainState`` of ``NamedSharding``.
+        abstract_state: ``TrainState`` of ``jax.ShapeDtypeStruct`` with its shardings: the state's shapes and
+            dtypes (float32 masters and optimizer state under ``ParamsSpec.with_master_dtype``), the target a
+            checkpoint is restored into.
         grad_accum: the number of micro-batches per step.
         rows_per_example: rows kept together in one micro-batch (2 for DPO pairs).
     """
 
     mesh: Mesh
     state_shardings: TrainState
+    abstract_state: TrainState
     grad_accum: int
     rows_per_example: int
     _jitted: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, Metric]]]
@@ -153,7 +182,8 @@ class TrainStep:
         """Places ``params`` on the mesh and builds the optimizer state there (never unsharded on one device).
 
         Args:
-            params: host or device params (identical on every process).
+            params: host or device params (identical on every process), in any float dtype: the state holds them
+                in the spec's dtypes (bfloat16 params become float32 masters under ``with_master_dtype``).
 
         Returns:
             The sharded ``TrainState`` with zero counters.
@@ -208,7 +238,9 @@ def make_train_step(
         predict: ``(params, batch) -> (per_token [B, T], entropy [B, T] or None)``: the policy's
             log-probabilities (``model_logprob_fn``) or another per-token prediction (the critic's values). The
             loss gets ``entropy=`` only when predict returns one.
-        params_spec: the params' logical axes and shapes (``ParamsSpec.of_model(config)`` for a model config).
+        params_spec: the params' logical axes, shapes and dtypes (``ParamsSpec.of_model(config)`` for a model
+            config; ``.with_master_dtype("float32")`` for float32 master weights): the dtypes of the state's params
+            and optimizer state. ``predict`` sees the state's params and casts them as it needs.
         grad_accum: micro-batches per step; ``B`` must be a multiple of
             ``grad_accum * rows_per_example * data * fsdp``.
         rows_per_example: consecutive rows that form one example and stay in one micro-batch (2 for DPO).
@@ -317,13 +349,18 @@ def make_train_step(
         donate_argnums=(0,) if donate else (),
         compiler_options=options,
     )
-    init = jax.jit(
-        lambda params: create_train_state(params, optimizer),
-        in_shardings=(p_shardings,),
-        out_shardings=state_shardings,
-        compiler_options=options,
+
+    def init_state(params: Any) -> TrainState:
+        params = jax.tree.map(lambda p, s: p.astype(s.dtype), params, params_shape)
+        return create_train_state(params, optimizer)
+
+    init = jax.jit(init_state, in_shardings=(p_shardings,), out_shardings=state_shardings, compiler_options=options)
+    abstract_state = jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        jax.eval_shape(init_state, params_shape),
+        state_shardings,
     )
-    return TrainStep(mesh, state_shardings, grad_accum, rows_per_example, jitted, init, traces)
+    return TrainStep(mesh, state_shardings, abstract_state, grad_accum, rows_per_example, jitted, init, traces)
 
 
 def make_algorithm_train_step(
@@ -336,14 +373,15 @@ def make_algorithm_train_step(
     hyperparameters: Mapping[str, Any] | None = None,
     logprob_chunk_size: int = 256,
     remat: str | None = None,
+    params_spec: ParamsSpec | None = None,
     **kwargs: Any,
 ) -> TrainStep:
     """``make_train_step`` for an ``Algorithm`` of the registry (``feynrl_jax.losses.ALGORITHMS[name]``).
 
     The parts: the loss is ``algorithm.make_loss(**hyperparameters)`` (the algorithm's defaults, overridden);
     ``predict`` is ``config``'s model at temperature 1, with the entropy when ``algorithm.uses_entropy``; the
-    params are ``ParamsSpec.of_model(config)``. DPO-style algorithms keep chosen/rejected pairs in one
-    micro-batch.
+    params are ``params_spec`` (default ``ParamsSpec.of_model(config)``). DPO-style algorithms keep chosen/rejected
+    pairs in one micro-batch.
 
     Args:
         algorithm: the ``Algorithm`` record.
@@ -354,6 +392,8 @@ def make_algorithm_train_step(
         hyperparameters: overrides of the algorithm's defaults (every key must be one of them).
         logprob_chunk_size: sequence chunk of the output projection (``model_logprob_fn``'s ``chunk_size``).
         remat: rematerialisation policy passed to the model (None: ``config.remat``).
+        params_spec: the state's params (None: ``ParamsSpec.of_model(config)``; float32 master weights:
+            ``ParamsSpec.of_model(config).with_master_dtype("float32")``).
         **kwargs: ``make_train_step``'s ``grad_accum``, ``learning_rate_fn``, ``donate``, ``compiler_options``.
 
     Raises:
@@ -371,7 +411,7 @@ def make_algorithm_train_step(
         predict=model_logprob_fn(
             config, chunk_size=logprob_chunk_size, remat=remat, with_entropy=algorithm.uses_entropy
         ),
-        params_spec=ParamsSpec.of_model(config),
+        params_spec=ParamsSpec.of_model(config) if params_spec is None else params_spec,
         rows_per_example=2 if algorithm.paradigm == "dpo" else 1,
         **kwargs,
     )

@@ -42,7 +42,6 @@ from feynrl_jax.models import ModelConfig
 from feynrl_jax.tracking import Tracker
 from feynrl_jax.train import run_setup
 from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
-from feynrl_jax.train.state import TrainState, create_train_state
 from feynrl_jax.train.step import ParamsSpec, TrainStep, make_algorithm_train_step
 
 log = logging.getLogger(__name__)
@@ -103,16 +102,6 @@ def sft_train_batch(batch: TokenBatch) -> TrainBatch:
     )
 
 
-def abstract_train_state(train_step: TrainStep, optimizer: Any, model_config: ModelConfig) -> TrainState:
-    """The train state's shapes, dtypes and shardings, without allocating it (the restore target)."""
-    shapes = jax.eval_shape(lambda p: create_train_state(p, optimizer), ParamsSpec.of_model(model_config).shape)
-    return jax.tree.map(
-        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-        shapes,
-        train_step.state_shardings,
-    )
-
-
 def _host_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The step's typed metrics as host floats (a supervised step is one update)."""
     return combine_updates([jax.device_get(metrics)])
@@ -152,6 +141,7 @@ def run_supervised(
         rules,
         config=model_config,
         hyperparameters=algorithm_hyperparameters(config, algorithm.hyperparameters),
+        params_spec=ParamsSpec.of_model(model_config).with_master_dtype(config.model.master_dtype or None),
         grad_accum=plan.grad_accum_steps,
         learning_rate_fn=schedule,
     )
@@ -183,7 +173,7 @@ def run_supervised(
             rng = jax.random.key(config.seed)
             start = 0
         else:
-            state, progress = checkpointer.restore(abstract_train_state(train_step, optimizer, model_config))
+            state, progress = checkpointer.restore(train_step.abstract_state)
             check_restored_state(state, os.path.join(checkpointer.directory, str(progress.step)))
             task.batches.set_state(progress.data_state)
             rng = progress.rng
