@@ -96,6 +96,45 @@ def test_another_native_fatal_error_is_named(tmp_path, monkeypatch):
     assert "stopped: JAX's runtime stopped it: Termination timeout for all-reduce exceeded." in err
 
 
+UNCAUGHT = r"""
+import os, sys
+sys.stderr.write("step 4 done\n")
+sys.stderr.write("terminate called after throwing an instance of 'gloo::IoException'\n")
+sys.stderr.write("  what():  [gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:4242\n")
+sys.stderr.write("Fatal Python error: Aborted\n")
+sys.stderr.write("Thread 0x00007f (most recent call first):\n")
+sys.stderr.flush()
+os.abort()
+"""
+
+
+def test_an_uncaught_native_exception_is_named_by_its_message(tmp_path, monkeypatch):
+    code, err = _child_says(tmp_path, monkeypatch, UNCAUGHT)
+    lines = err.strip().splitlines()
+    assert code == 1
+    assert len(lines) == 2, err
+    assert "JAX's runtime stopped it: [gloo/transport/tcp/pair.cc:598] Connection closed by peer" in lines[1]
+    assert "--resume" in lines[1]
+
+
+def test_an_abort_without_a_message_still_ends_in_one_line(tmp_path, monkeypatch):
+    code, err = _child_says(tmp_path, monkeypatch, "import os; os.abort()")
+    assert code == 1
+    assert "stopped: JAX's runtime stopped it: the process aborted (SIGABRT)." in err
+    script = "import faulthandler, os; faulthandler.enable(); print('step 1', flush=True); os.abort()"
+    code, err = _child_says(tmp_path, monkeypatch, script)  # Python's thread dump is dropped
+    assert code == 1
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .endswith(
+            "stopped: JAX's runtime stopped it: Fatal Python error: Aborted. Start every process again with --resume: "
+            "it continues from the last checkpoint that all of them committed."
+        )
+    ), err
+    assert "Thread 0x" not in err and "most recent call first" not in err
+
+
 @pytest.mark.parametrize(
     ("script", "code"), [("import sys; sys.exit(2)", 2), ("import os; os.kill(os.getpid(), 9)", 137), ("pass", 0)]
 )

@@ -32,7 +32,11 @@ is ever deleted for being unusable; when no step is usable, nothing is moved and
 Several processes (a multi-host job) share one checkpoint folder, which must then be on a file system every
 host sees (or a bucket): every process writes the shards of the arrays its devices hold and reads them back
 (orbax coordinates the commit), process 0 alone writes the JSON items and does the housekeeping above (removing
-unfinished saves, setting steps aside, purging deleted ones), and the others wait for it at a barrier.
+unfinished saves, setting steps aside, purging deleted ones), and the others wait for it at a barrier. Every
+barrier, ours and orbax's, is one of the coordination service's (`jax.distributed`), never a device collective:
+an asynchronous save finishes in a background thread while the training thread runs the next step's
+collectives, and two threads' collectives interleaved differently on two processes mismatch (on CPU, gloo
+aborts with "Received data size doesn't match expected size").
 
 Saves are asynchronous: `save` returns once the arrays are copied off the accelerator; the files are written
 by a background thread while training continues. The next save (or `wait_until_finished`/`close`, or a
@@ -55,7 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from feynrl_jax.checkpoints.hf_safetensors import CheckpointError
 from feynrl_jax.errors import InputError
@@ -239,7 +242,9 @@ class TrainCheckpointer:
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=1,  # the interval is decided here (`force` must be able to override it)
             max_to_keep=keep,
-            create=not read_only,
+            create=False,  # made above
+            # Naming every process routes orbax's barriers through the coordination service (see the docstring).
+            multiprocessing_options=ocp.options.MultiprocessingOptions(active_processes=_all_processes()),
             read_only=read_only,
             cleanup_tmp_directories=not read_only,
             enable_async_checkpointing=async_save,
@@ -596,10 +601,16 @@ def _primary() -> bool:
     return jax.process_index() == 0
 
 
+def _all_processes() -> set[int] | None:
+    """Every process of a multi-process job (None for one process: orbax then skips its barriers)."""
+    return set(range(jax.process_count())) if jax.process_count() > 1 else None
+
+
 def _barrier(name: str) -> None:
-    """Waits until every process of a multi-process job reaches the same named point (nothing on one process)."""
+    """Waits until every process of a multi-process job reaches the same named point (nothing on one process),
+    at a barrier of the coordination service (thread-safe, unlike a device collective; see the docstring)."""
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
+        ocp.multihost.sync_global_processes(f"feynrl-jax {name}", processes=_all_processes())
 
 
 def _host_sharding() -> jax.sharding.Sharding:

@@ -6,11 +6,14 @@ fatal C++ error: `abort()`, a page of stack addresses, no Python exception to ca
 the `feynrl-jax` console script runs `train` / `eval` in a child process and watches it:
 
 * the child's stderr is passed through line by line until a fatal error of JAX's native runtime (a glog line
-  `F1124 00:40:30.352601 ... client.h:80] Terminating process because ...`), after which the stack dumps that
-  follow are dropped;
+  `F1124 00:40:30.352601 ... client.h:80] Terminating process because ...`, or an uncaught C++ exception,
+  `terminate called after throwing an instance of ...` with its `what():` line, as gloo throws when a peer's
+  connection closes in the middle of a CPU collective, or at least Python's `Fatal Python error: Aborted`), after
+  which the stack dumps that follow are dropped;
 * a child stopped that way ends with one line and exit code 1 (`errors.EXIT_RUN_FAILED`):
   `feynrl-jax: error: process 0 of 2 stopped: another process of the job died or stopped answering ...` when
   the coordination service stopped it, or the runtime's own message otherwise (a collective whose peer is gone);
+  a child aborted (SIGABRT) without such a line ends the same way, named as aborted;
 * any other exit code, or death by a signal (128 + signal number), is passed on unchanged;
 * SIGTERM and SIGINT sent to the parent (SLURM's `scancel`, Ctrl-C) go to the child, and the child dies with
   its parent (`PR_SET_PDEATHSIG`), so killing the process that a launcher started kills the whole process.
@@ -38,6 +41,9 @@ COMMANDS = ("train", "eval")
 FATAL_MARKER = b"JAX distributed service detected fatal errors"
 """What JAX's coordination client prints when it stops a process because another one of the job is gone."""
 _NATIVE_FATAL = re.compile(rb"^F\d{4} [\d:.]+\s+\d+ \S+\] (.*)")
+_UNCAUGHT = re.compile(rb"^terminate called after throwing an instance of (.*)")
+_WHAT = re.compile(rb"^\s*what\(\):\s*(.*)")
+_PYTHON_FATAL = re.compile(rb"^(Fatal Python error: .*)")
 LAUNCH_VARIABLES = (
     "FEYNRL_NUM_PROCESSES",
     "JAX_NUM_PROCESSES",
@@ -104,6 +110,8 @@ def supervise(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     relay.join(timeout=10)
+    if fatal.line is None and code == -signal.SIGABRT:
+        fatal.line = b"the process aborted (SIGABRT)"
     if code != 0 and fatal.line is not None:
         who = _process_text(env)
         if FATAL_MARKER in fatal.line:
@@ -124,9 +132,11 @@ def supervise(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> 
 
 
 class _FatalLine:
-    """The first fatal line of JAX's native runtime (glog's `F<date> ... file:line] message`), once seen."""
+    """The first fatal line of JAX's native runtime (glog's `F<date> ... file:line] message`, or an uncaught C++
+    exception's type and then its `what():` message), once seen."""
 
     line: bytes | None = None
+    uncaught: bool = False
 
 
 def _relay(stream, fatal: _FatalLine) -> None:
@@ -135,10 +145,14 @@ def _relay(stream, fatal: _FatalLine) -> None:
     out = sys.stderr.buffer
     for line in iter(stream.readline, b""):
         if fatal.line is not None:
+            what = _WHAT.match(line) if fatal.uncaught else None
+            if what:  # the exception's message names the problem better than its type
+                fatal.line, fatal.uncaught = what.group(1), False
             continue
-        match = _NATIVE_FATAL.match(line)
-        if match:
-            fatal.line = match.group(1)
+        native, uncaught, python = _NATIVE_FATAL.match(line), _UNCAUGHT.match(line), _PYTHON_FATAL.match(line)
+        if native or uncaught or python:  # Python's own report of the abort comes last, after the runtime's
+            fatal.line = (native or uncaught or python).group(1)
+            fatal.uncaught = uncaught is not None
             continue
         out.write(line)
         out.flush()
