@@ -61,7 +61,9 @@ def effective_sample_size(weights: jax.Array, mask: jax.Array) -> jax.Array:
     n = jnp.sum(mask)
     sum_w = jnp.sum(weights)
     denominator = n * jnp.sum(jnp.square(weights))
-    return jnp.where(denominator > 0, jnp.square(sum_w) / jnp.where(denominator > 0, denominator, 1), 1.0)
+    ess = jnp.square(sum_w) / jnp.where(denominator > 0, denominator, 1)
+    # <= 1 by Cauchy-Schwarz; float32 rounding of equal weights can land one ulp above it.
+    return jnp.where(denominator > 0, jnp.minimum(ess, 1.0), 1.0)
 
 
 def policy_ratio(

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from feynrl_jax.models import KVCache, ModelConfig, as_param_dtype, unstack_layers
+from feynrl_jax.models import KVCache, ModelConfig, as_param_dtype, lora, unstack_layers
 from feynrl_jax.rollout import sampling as sampling_lib
 from feynrl_jax.rollout.decode import decode_dispatch
 from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket, prefill
@@ -156,6 +156,28 @@ class NativeEngine:
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
         self._params = self._unstack_layers(params)
+        self.policy_version = int(version)
+
+    def load_adapters(self, adapters: Any, version: int) -> None:
+        """Replaces only the LoRA adapters of the held params (`feynrl_jax.models.lora`); their rollouts carry
+        `policy_version=version`.
+
+        The base weights stay as they are on the device (no copy, no transfer): only the adapters, a few MB, are
+        placed and split per layer; prefill and decode apply them at every target projection.
+
+        Args:
+            adapters: `{"layers": {target: {"lora_a", "lora_b"}}}` (stacked layers), e.g. `lora.adapters_of(params)`.
+            version: the policy version.
+
+        Raises:
+            ValueError: the engine's model config has no adapters (`lora_rank` 0), or these do not fit its params.
+        """
+        if not self.config.lora_rank:
+            raise ValueError("load_adapters: this engine's model config has no LoRA adapters (lora_rank=0)")
+        if self.param_shardings is not None:
+            adapters = jax.device_put(adapters, lora.adapters_of(self.param_shardings))
+        base = lora.base_params(self._params)
+        self._params = lora.combine(base, self._unstack_layers(adapters))
         self.policy_version = int(version)
 
     def generate(

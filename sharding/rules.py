@@ -40,6 +40,7 @@ _PARAMS_REPLICATED: Rules = (
     ("mlp", None),
     ("layers", None),
     ("norm", None),
+    ("lora_rank", None),  # the rank of LoRA adapters (a few to a few hundred): never split
 )
 
 

@@ -2,9 +2,12 @@
 against 1 trainer process with 8: the real `feynrl-jax train` on `configs/tiny_rl.py`, sync GRPO, a data 2 x fsdp 4
 mesh whose parameter shards live in both processes.
 
-Same mesh shape, same partitioned programs: the per-step gradient norms and losses agree to float32
-reduction-order rounding (tolerances justified below), and the rollouts of every step, sampled with the params the
-trainer published, are the same (equal rewards), which needs the params of both layouts to agree closely.
+Same mesh shape, same partitioned programs: the first step's rollouts are the same (same initial weights, same
+sampling keys), its gradient norm and loss agree to float32 reduction-order rounding (tolerances justified below),
+and so do the params it produces (the step-1 checkpoints of both runs). Later steps sample with those params: while
+the rollouts stay the same (equal rewards) the figures must agree too, but one token whose two most likely
+candidates differ by less than the rounding of the two layouts is enough to sample another token and change a
+rollout, and how soon that happens depends on the CPU's kernels, so only the first step is required to match.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import resume_harness as harness
@@ -21,6 +25,15 @@ from feynrl_jax.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
+LR = 1e-3
+
+
+def step_params(run_dir: Path, step: int):
+    """The policy params of the run's checkpoint after `step`, on the host."""
+    from feynrl_jax.checkpoints.train_state import TrainCheckpointer
+
+    with TrainCheckpointer(str(run_dir), save_every=1, keep=STEPS, read_only=True) as checkpointer:
+        return checkpointer.restore_state_unsharded(step)["policy"]["params"]
 
 
 REWARD = """
@@ -46,11 +59,12 @@ def run_rl(tmp_path, name: str, *, processes: int) -> Path:
         "--config.mesh.data=2",
         "--config.mesh.fsdp=4",
         "--config.mesh.rules=fsdp",
-        "--config.checkpoint.every_steps=2",
+        "--config.checkpoint.every_steps=1",
+        f"--config.checkpoint.keep={STEPS}",
         "--config.train.eval_every=2",
         f"--config.ray.trainer_processes={processes}",
         '--config.rollout.rewards={"mp_reward:vowel_share": 1.0}',
-        "--config.optim.lr=1e-3",
+        f"--config.optim.lr={LR}",
         # Adam turns a gradient component that is rounding noise (~1e-9, of either sign) into a full +-lr step
         # unless eps dominates it; with eps 1e-4 such components move by ~1e-8 and both layouts keep sampling
         # the same tokens.
@@ -77,12 +91,25 @@ def test_two_trainer_processes_train_like_one(tmp_path):
         return [r[key] for r in records]
 
     assert min(np.abs(per_step(one, "train/advantage_abs_mean"))) > 0.1  # a real training signal
-    # The same rollouts every step (the published params agree closely enough to sample the same tokens).
-    assert per_step(two, "rollout/reward/total/mean") == per_step(one, "rollout/reward/total/mean")
-    np.testing.assert_allclose(per_step(two, "train/grad_norm"), per_step(one, "train/grad_norm"), rtol=1e-5)
+    # The same rollouts at step 1, and at every later step until a near-tie samples another token (module docstring).
+    rewards_one, rewards_two = per_step(one, "rollout/reward/total/mean"), per_step(two, "rollout/reward/total/mean")
+    same = next((i for i, (a, b) in enumerate(zip(rewards_one, rewards_two)) if a != b), STEPS)
+    assert same >= 1, (rewards_one, rewards_two)
+    np.testing.assert_allclose(
+        per_step(two, "train/grad_norm")[:same], per_step(one, "train/grad_norm")[:same], rtol=1e-5
+    )
     # GRPO's loss is a sum of terms of size |advantage| ~ 0.7 that nearly cancel (advantages have mean 0): its
     # rounding error is absolute, ~1e-7 per term summed over a few hundred tokens, so 1e-6 absolute.
-    np.testing.assert_allclose(per_step(two, "train/loss"), per_step(one, "train/loss"), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        per_step(two, "train/loss")[:same], per_step(one, "train/loss")[:same], rtol=0, atol=1e-6
+    )
+    # The update of step 1 itself: the params both trainers checkpointed after it. Adam's first step moves each
+    # weight by lr * g / (|g| + eps) with eps = 1e-4: a rounding difference d in g (at most ~1e-9 here) moves it by
+    # at most lr * d / eps ~ 1e-5 lr, while a real difference (a row trained twice, a shard missed) moves weights by
+    # up to lr. 1e-3 lr sits between the two.
+    params_one, params_two = step_params(one, 1), step_params(two, 1)
+    for a, b in zip(jax.tree.leaves(params_two), jax.tree.leaves(params_one), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * LR)
     with open(os.path.join(two, "run.log")) as f:
         log = f.read()
     assert "trainer: 2 processes joining one JAX job" in log

@@ -203,9 +203,10 @@ def export_hf(
 ) -> str:
     """Writes params as a Hugging Face folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-    Tensors are written in `model_config.param_dtype`, sharded into files of at most `max_shard_bytes` (with
-    `model.safetensors.index.json` when there is more than one). Everything goes to a temporary folder in the
-    same parent, renamed into place at the end; an existing `out_dir` is replaced only then.
+    Params with LoRA adapters (`model_config.lora_rank`) are written merged (`lora.merge`), as the base
+    architecture. Tensors are written in `model_config.param_dtype`, sharded into files of at most
+    `max_shard_bytes` (with `model.safetensors.index.json` when there is more than one). Everything goes to a
+    temporary folder in the same parent, renamed into place at the end; an existing `out_dir` is replaced only then.
 
     Args:
         params: the params pytree (any placement; each leaf is fetched to host one at a time), or None for a
@@ -221,6 +222,11 @@ def export_hf(
     Returns:
         The destination folder.
     """
+    if model_config.lora_rank:  # LoRA adapters folded into their kernels: a plain model of the base's shape
+        from feynrl_jax.models import lora
+
+        params = None if params is None else lora.merge(params, model_config)
+        model_config = model_config.without_lora()
     out_dir = os.path.abspath(os.fspath(out_dir))
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)

@@ -49,6 +49,13 @@ def base_config() -> ConfigDict:
     # masters; rollout engines, reference and evaluation get param_dtype weights; HF export writes param_dtype.
     config.model.master_dtype = ""
     config.model.remat = "none"  # "none" | "full" | "dots": rematerialisation in the backward pass.
+    # LoRA (Hu et al. 2021; docs/LORA.md): with rank > 0 only low-rank adapters on `targets` train; the base weights
+    # stay frozen, the reference model is the base with the adapters off, and RL weight syncs carry the adapters.
+    config.model.lora = ConfigDict()
+    config.model.lora.rank = 0  # r; 0: full fine-tuning.
+    config.model.lora.alpha = 16.0  # The adapters' output is scaled by alpha / rank.
+    config.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    config.model.lora.init_from = placeholder(str)  # A PEFT adapter folder to start from (its r, alpha, targets).
     config.model.random_init = False  # Random weights with the shape below (tests, benchmarks).
     config.model.arch = ConfigDict()  # Shape of a random-init model; ignored when weights are loaded.
     config.model.arch.architecture = "llama"

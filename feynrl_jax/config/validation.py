@@ -29,6 +29,8 @@ DTYPES = ("float32", "bfloat16")
 MASTER_DTYPES = ("", "float32")
 REMAT_POLICIES = ("none", "full", "dots")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""`feynrl_jax.models.config.LORA_TARGETS` (the config layer imports no JAX; tests/test_lora.py keeps them equal)."""
 SCHEDULES = ("constant", "cosine")
 ENGINES = ("native", "vllm")
 SHARED_PREFIX_MODES = ("auto", "on", "off")
@@ -205,6 +207,7 @@ def _check_model(model, bad):
     _choice(bad, "model.compute_dtype", model.compute_dtype, DTYPES)
     _choice(bad, "model.master_dtype", model.master_dtype, MASTER_DTYPES)
     _choice(bad, "model.remat", model.remat, REMAT_POLICIES)
+    _check_lora(model.lora, bad)
     arch = model.arch
     _choice(bad, "model.arch.architecture", arch.architecture, ARCHITECTURES)
     for key in (
@@ -223,6 +226,21 @@ def _check_model(model, bad):
             "model.arch.num_kv_heads",
             f"model.arch.num_kv_heads={arch.num_kv_heads} must divide model.arch.num_heads={arch.num_heads}.",
         )
+
+
+def _check_lora(lora, bad):
+    _at_least(bad, "model.lora.rank", lora.rank, 0)
+    if not lora.rank:
+        if lora.init_from:
+            bad("model.lora.init_from", "model.lora.init_from needs model.lora.rank > 0 (the adapter's r).")
+        return
+    _positive(bad, "model.lora.alpha", lora.alpha)
+    targets = tuple(lora.targets)
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown or not targets:
+        bad("model.lora.targets", f"model.lora.targets={targets!r} must be a non-empty subset of {LORA_TARGETS}.")
+    if lora.init_from and not os.path.isfile(os.path.join(lora.init_from, "adapter_config.json")):
+        bad("model.lora.init_from", f"model.lora.init_from={lora.init_from!r} holds no adapter_config.json (PEFT).")
 
 
 def _check_data(config, bad):
@@ -411,6 +429,12 @@ def _check_vllm(config, bad):
 
     if importlib.util.find_spec("vllm") is None:
         bad("rollout.engine", f"rollout.engine='vllm' needs vLLM, which is not installed: {VLLM_INSTALL}.")
+    if config.model.lora.rank:
+        bad(
+            "model.lora.rank",
+            "model.lora.rank > 0 with rollout.engine='vllm' is not supported yet (vLLM would take the adapters as a "
+            "LoRA request); use rollout.engine='native', which syncs the adapters alone.",
+        )
     vllm = config.rollout.vllm
     _choice(bad, "rollout.vllm.dtype", vllm.dtype, VLLM_DTYPES)
     _at_least(bad, "rollout.vllm.kv_cache_gib", vllm.kv_cache_gib, 0.0)

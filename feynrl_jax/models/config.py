@@ -28,6 +28,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Projections that can carry LoRA adapters (their Hugging Face names, `feynrl_jax.models.lora`)."""
 
 # Hugging Face `model_type` -> our `architecture`.
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
@@ -63,6 +65,10 @@ class ModelConfig:
         remat: default rematerialisation policy of `forward`: "none", "full" (recompute every layer in the
             backward pass) or "dots" (keep matmul outputs, recompute the rest).
         bos_token_id, eos_token_id, pad_token_id: special tokens (eos may be a tuple), or None.
+        lora_rank: r of the low-rank adapters on `lora_targets` (Hu et al. 2021, `feynrl_jax.models.lora`); 0: no
+            adapters. The params then hold `lora_a`/`lora_b` beside each target's kernel.
+        lora_alpha: the adapters' output is scaled by `lora_alpha / lora_rank`.
+        lora_targets: the projections that carry adapters, a subset of `LORA_TARGETS`.
     """
 
     architecture: str = "llama"
@@ -88,6 +94,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         def fail(key, message):
@@ -119,6 +128,15 @@ class ModelConfig:
             unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if unknown:
                 fail("layer_types", f"unknown layer types {unknown}; expected {LAYER_TYPES}")
+        if self.lora_rank < 0:
+            fail("lora_rank", f"must be >= 0, got {self.lora_rank}")
+        if self.lora_rank and not self.lora_targets:
+            fail("lora_targets", f"names no projection although lora_rank={self.lora_rank}")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown:
+            fail("lora_targets", f"unknown projections {unknown}; expected a subset of {LORA_TARGETS}")
+        if self.lora_rank and not self.lora_alpha > 0:
+            fail("lora_alpha", f"must be positive, got {self.lora_alpha}")
 
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         """`rope_scaling` as a plain dict (or None)."""
@@ -133,8 +151,17 @@ class ModelConfig:
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @property
+    def lora_scale(self) -> float:
+        """The factor on the adapters' output, `lora_alpha / lora_rank` (0 without adapters)."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def without_lora(self) -> ModelConfig:
+        """This config without adapters: the base model (the reference, the merged export, the rollout engine)."""
+        return dataclasses.replace(self, lora_rank=0, lora_targets=())
+
+    @property
     def num_params(self) -> int:
-        """Number of parameters (embedding counted once when tied)."""
+        """Number of parameters of the base model (embedding counted once when tied; adapters not counted)."""
         d, f, h, k, dh = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         attn = d * h * dh * 2 + d * k * dh * 2
         if self.attention_bias:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from feynrl_jax.models import lora
 from feynrl_jax.models.attention import attend, cache_mask, packed_mask, within_window
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.rope import apply_rope, rope_cos_sin
@@ -114,6 +115,10 @@ def param_shapes(config: ModelConfig) -> Params:
     shapes = {"embed": {"embedding": (V, D)}, "layers": layers, "final_norm": {"scale": (D,)}}
     if not c.tie_word_embeddings:
         shapes["lm_head"] = {"kernel": (D, V)}
+    if c.lora_rank:  # adapters beside their kernels (feynrl_jax.models.lora)
+        kernels = {target: layers[target]["kernel"] for target in c.lora_targets}
+        for target, leaves in lora.adapter_shapes(c, kernels).items():
+            layers[target].update(leaves)
     return shapes
 
 
@@ -122,7 +127,8 @@ def _is_shape(x) -> bool:
 
 
 def init_params(config: ModelConfig, rng: jax.Array) -> Params:
-    """Random parameters: normal(0, 0.02) matrices, zero biases, unit norm scales (as transformers does).
+    """Random parameters: normal(0, 0.02) matrices, zero biases, unit norm scales (as transformers does); LoRA
+    adapters as `lora.init_leaf` (zero `lora_b`), in float32.
 
     Args:
         config: the model config.
@@ -143,7 +149,9 @@ def _init_params(config: ModelConfig, rng: jax.Array) -> Params:
     out = []
     for key, (path, shape) in zip(keys, leaves):
         name = jax.tree_util.keystr(path)
-        if "scale" in name:
+        if lora.is_adapter_path(path):
+            out.append(lora.init_leaf(path[-1].key, shape, key, path[-2].key))
+        elif "scale" in name:
             out.append(jnp.ones(shape, dtype))
         elif "bias" in name:
             out.append(jnp.zeros(shape, dtype))
@@ -181,10 +189,24 @@ def _matmul(x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
     return (x.reshape(b * t, n) @ kernel.astype(dtype)).reshape(b, t, kernel.shape[-1])
 
 
-def _project(h: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
-    """`h [B, T, D]` through a `[D, heads, Dh]` kernel to `[B, T, heads, Dh]`."""
-    d, heads, head_dim = kernel.shape
-    return _matmul(h, kernel.reshape(d, heads * head_dim), dtype).reshape(*h.shape[:2], heads, head_dim)
+def _dense(x: jax.Array, proj: dict, dtype, lora_scale: float) -> jax.Array:
+    """`x [B, T, N]` through a projection `{"kernel": [*inputs, *outputs]}` (inputs multiply to N) to
+    `[B, T, M]` (M the product of the outputs), plus `lora_scale * (x A) B` when the projection holds LoRA
+    adapters `lora_a [*inputs, r]`, `lora_b [r, *outputs]` (`feynrl_jax.models.lora`)."""
+    n = x.shape[-1]
+    out = _matmul(x, proj["kernel"].reshape(n, -1), dtype)
+    if "lora_a" in proj:
+        a, b = proj["lora_a"], proj["lora_b"]
+        rank = a.shape[-1]
+        low = _matmul(x, a.reshape(n, rank), dtype)
+        out = out + (lora_scale * _matmul(low, b.reshape(rank, -1), dtype)).astype(out.dtype)
+    return out
+
+
+def _project(h: jax.Array, proj: dict, dtype, lora_scale: float) -> jax.Array:
+    """`h [B, T, D]` through a `[D, heads, Dh]` projection (`_dense`) to `[B, T, heads, Dh]`."""
+    _, heads, head_dim = proj["kernel"].shape
+    return _dense(h, proj, dtype, lora_scale).reshape(*h.shape[:2], heads, head_dim)
 
 
 def _remat_policy(name: str):
@@ -257,6 +279,7 @@ def forward(
     """
     dtype = jnp.dtype(config.compute_dtype)
     params = as_param_dtype(params, config)
+    scale = config.lora_scale  # adapters present in the params are applied (feynrl_jax.models.lora)
     x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype)
     cos, sin = rope_cos_sin(positions, config)
     batch_idx = jnp.arange(tokens.shape[0])[:, None]
@@ -271,9 +294,9 @@ def forward(
     def block(x, p, window, attention):
         """One layer; `attention(q, k, v, window) -> (attn, aux)` owns the cache. Returns `(x, aux)`."""
         h = rms_norm(x, p["attn_norm"]["scale"], config.rms_norm_eps)
-        q = _project(h, p["q_proj"]["kernel"], dtype)
-        k = _project(h, p["k_proj"]["kernel"], dtype)
-        v = _project(h, p["v_proj"]["kernel"], dtype)
+        q = _project(h, p["q_proj"], dtype, scale)
+        k = _project(h, p["k_proj"], dtype, scale)
+        v = _project(h, p["v_proj"], dtype, scale)
         if config.attention_bias:
             q = q + p["q_proj"]["bias"].astype(dtype)
             k = k + p["k_proj"]["bias"].astype(dtype)
@@ -283,14 +306,14 @@ def forward(
             k = rms_norm(k, p["k_norm"]["scale"], config.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn, aux = attention(q, k, v, window)
-        out = _matmul(attn.reshape(*attn.shape[:2], -1), p["o_proj"]["kernel"].reshape(-1, x.shape[-1]), dtype)
+        out = _dense(attn.reshape(*attn.shape[:2], -1), p["o_proj"], dtype, scale)
         if "bias" in p["o_proj"]:
             out = out + p["o_proj"]["bias"].astype(dtype)
         x = x + out
         h = rms_norm(x, p["mlp_norm"]["scale"], config.rms_norm_eps)
-        gate = _matmul(h, p["gate_proj"]["kernel"], dtype)
-        up = _matmul(h, p["up_proj"]["kernel"], dtype)
-        x = x + _matmul(jax.nn.silu(gate) * up, p["down_proj"]["kernel"], dtype)
+        gate = _dense(h, p["gate_proj"], dtype, scale)
+        up = _dense(h, p["up_proj"], dtype, scale)
+        x = x + _dense(jax.nn.silu(gate) * up, p["down_proj"], dtype, scale)
         return x, aux
 
     def packed_attention(q, k, v, window):

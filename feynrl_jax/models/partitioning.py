@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 
+from feynrl_jax.models import lora
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import param_shapes
 
@@ -47,6 +48,12 @@ def logical_axes(config: ModelConfig) -> dict:
 
     Tuples are pytrees themselves: map over the result with `is_leaf=lambda x: isinstance(x, tuple)`.
     """
-    return jax.tree_util.tree_map_with_path(
-        lambda path, shape: _AXES[param_path(path)], param_shapes(config), is_leaf=_is_shape
-    )
+    return jax.tree_util.tree_map_with_path(_axes_of, param_shapes(config), is_leaf=_is_shape)
+
+
+def _axes_of(path, shape) -> tuple[str, ...]:
+    name = param_path(path)
+    if lora.is_adapter_path(path):  # layers/<target>/lora_a|lora_b: the kernel's axes around the rank axis
+        target = name.split("/")[-2]
+        return lora.adapter_axes(_AXES[f"layers/{target}/kernel"], target)[name.split("/")[-1]]
+    return _AXES[name]

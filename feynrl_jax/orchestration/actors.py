@@ -69,6 +69,7 @@ class ParamStoreActor:
 
     def __init__(self):
         self._store = DoubleBufferedStore()
+        self._base: tuple[dict[str, list], int] | None = None
         self.init_error = None
 
     def ready(self) -> int:
@@ -91,18 +92,37 @@ class ParamStoreActor:
         """Flips `version` to the front with the writer's checksum of the arrays; returns the version."""
         return self._store.publish(version, checksum=checksum).version
 
-    def latest(self) -> tuple[int, dict[str, list], int] | None:
-        """`(version, {name: [ObjectRef]}, checksum)` of the published version, or None before the first."""
+    def set_base(self, leaves: Mapping[str, list], checksum: int) -> None:
+        """Keeps `{name: [ObjectRef]}` as the frozen base params of a LoRA run (its versions carry adapters only);
+        a restarted trainer sets it again."""
+        self._base = (dict(leaves), checksum)
+
+    def latest(self) -> tuple[int, dict[str, list], int, tuple[dict[str, list], int] | None] | None:
+        """`(version, {name: [ObjectRef]}, checksum, base)` of the published version (`base`: the LoRA base's
+        `({name: [ObjectRef]}, checksum)` or None), or None before the first."""
         snapshot = self._store.latest()
         if snapshot is None:
             return None
-        return snapshot.version, dict(snapshot.leaves), snapshot.checksum
+        return snapshot.version, dict(snapshot.leaves), snapshot.checksum, self._base
 
     def version(self) -> int:
         return self._store.version()
 
     def versions_held(self) -> int:
         return self._store.versions_held()
+
+
+def publish_base(store: Any, base: Any, *, timeout_s: float) -> dict[str, float]:
+    """Puts the frozen base params of a LoRA run (host, nested numpy) in the object store once and gives the store
+    their references: every later version carries the adapters alone.
+
+    Returns:
+        `perf/publish_base_bytes`.
+    """
+    leaves = {name: np.asarray(leaf) for name, leaf in flatten_params(base).items()}
+    refs = {name: [ray.put(leaf)] for name, leaf in leaves.items()}
+    get_within(store.set_base.remote(refs, checksum_leaves(leaves)), name="parameter store", timeout_s=timeout_s)
+    return {"perf/publish_base_bytes": float(sum(leaf.nbytes for leaf in leaves.values()))}
 
 
 def publish_params(store: Any, params: Any, version: int, *, timeout_s: float) -> dict[str, float]:
@@ -143,13 +163,16 @@ class ParamsSnapshot:
 
     Attributes:
         version: the policy version.
-        refs: `{leaf name: [ObjectRef]}`.
+        refs: `{leaf name: [ObjectRef]}` (a LoRA run's: the adapters alone).
         checksum: the publisher's checksum of the arrays (`checksum_leaves`).
+        base: a LoRA run's frozen base params, `({leaf name: [ObjectRef]}, checksum)`, published once; None
+            otherwise.
     """
 
     version: int
     refs: dict[str, list]
     checksum: int
+    base: tuple[dict[str, list], int] | None = None
 
 
 def latest_snapshot(store: Any, *, timeout_s: float | None = None) -> ParamsSnapshot | None:
@@ -162,19 +185,19 @@ def latest_snapshot(store: Any, *, timeout_s: float | None = None) -> ParamsSnap
     return None if snapshot is None else ParamsSnapshot(*snapshot)
 
 
-def fetch_snapshot(snapshot: ParamsSnapshot, *, verify: bool = True) -> dict[str, Any]:
-    """The snapshot's params as a nested dict of numpy arrays.
+def fetch_snapshot(snapshot: ParamsSnapshot, *, verify: bool = True, base: bool = False) -> dict[str, Any]:
+    """The snapshot's params (or, with `base`, its LoRA base params) as a nested dict of numpy arrays.
 
     Raises:
         StoreError: when `verify` and the fetched bytes do not match the writer's checksum.
     """
-    names = sorted(snapshot.refs)
-    arrays = ray.get([snapshot.refs[name][0] for name in names])
+    refs, checksum = snapshot.base if base else (snapshot.refs, snapshot.checksum)
+    names = sorted(refs)
+    arrays = ray.get([refs[name][0] for name in names])
     leaves = dict(zip(names, arrays, strict=True))
-    if verify and checksum_leaves(leaves) != snapshot.checksum:
-        raise StoreError(
-            f"version {snapshot.version}: fetched parameters do not match the publisher's checksum {snapshot.checksum}"
-        )
+    if verify and checksum_leaves(leaves) != checksum:
+        what = "base parameters" if base else "parameters"
+        raise StoreError(f"version {snapshot.version}: fetched {what} do not match the publisher's checksum {checksum}")
     return unflatten_params(leaves)
 
 
@@ -266,10 +289,19 @@ class RolloutWorker:
             return {"load_seconds": 0.0, "load_fetch_seconds": 0.0, "load_bytes": 0.0}
         t0 = time.perf_counter()
         weights = fetch_snapshot(snapshot)
-        fetched = time.perf_counter()
         nbytes = float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(weights).values()))
+        lora_sync = snapshot.base is not None  # a LoRA run: `weights` are the adapters alone
+        if lora_sync and self.engine is None:  # the base, once per worker
+            from feynrl_jax.models import lora
+
+            base = fetch_snapshot(snapshot, base=True)
+            nbytes += float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(base).values()))
+            weights = lora.combine(base, weights)
+        fetched = time.perf_counter()
         if self.spec.kind == "vllm":
             self.engine.load_weights(weights, snapshot.version)
+        elif lora_sync and self.engine is not None:
+            self.engine.load_adapters(weights, snapshot.version)
         elif self.engine is None:
             self.engine = build_native(
                 self.spec,
@@ -396,6 +428,8 @@ class TrainerActor:
 
             self.trainer = RLTrainer(self.config)
             self.for_engine = publish_format(self.spec, self.trainer.model_config)
+            # LoRA: the base is published once (`start`), every version carries the adapters alone.
+            self.lora_sync = bool(self.trainer.model_config.lora_rank)
 
     def coordinator_address(self) -> str:
         """`host:port` for the job's coordinator (process 0's): this node's address and a free port on it."""
@@ -430,7 +464,7 @@ class TrainerActor:
 
         Every trainer process gathers the params (a collective); process 0 alone writes them to the store."""
         t0 = time.perf_counter()
-        weights = self.for_engine(self.trainer.host_params())
+        weights = self.for_engine(self.trainer.host_adapters() if self.lora_sync else self.trainer.host_params())
         convert_seconds = time.perf_counter() - t0
         if self.process_id:
             return {}
@@ -453,6 +487,10 @@ class TrainerActor:
     def start(self) -> dict[str, Any]:
         """Builds or restores the state and publishes it; returns where the run starts (`Restored` fields)."""
         restored = self.trainer.start()
+        if self.lora_sync:
+            base = self.trainer.host_base()  # a collective with several trainer processes
+            if not self.process_id:
+                publish_base(self.store, base, timeout_s=self.store_timeout_s)
         self._publish(restored.policy_version)
         return dataclasses.asdict(restored)
 

@@ -29,6 +29,7 @@ from feynrl_jax.checkpoints import load_hf
 from feynrl_jax.data.from_config import build_mixture_from_config
 from feynrl_jax.data.packing import TokenBatch
 from feynrl_jax.losses import TrainBatch
+from feynrl_jax.models import lora
 from feynrl_jax.sharding import host_tree, place_tree
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
 from feynrl_jax.train.run_lock import RunLock
@@ -77,11 +78,14 @@ class ReferenceTable:
 
 def _reference_params(config: ConfigDict, context: RunContext) -> Any:
     reference = config.algo.reference
-    if reference == "initial":
-        return context.initial_params()
+    if reference == "initial":  # with LoRA: the base with the adapters off, the state's own frozen arrays
+        return context.initial_params() if context.lora_base is None else context.lora_base
     if reference == "none":
         raise ValueError("DPO needs a reference model: set config.algo.reference to 'initial' or a model folder")
-    params, _ = load_hf(reference, config=context.model_config, shardings=context.train_step.state_shardings.params)
+    shardings = context.train_step.state_shardings.params
+    if context.lora_base is not None:
+        shardings = lora.base_params(shardings)
+    params, _ = load_hf(reference, config=context.model_config.without_lora(), shardings=shardings)
     return params
 
 
@@ -103,16 +107,21 @@ class PreferenceEvaluator:
         beta: DPO's beta (scales the reported implicit-reward margin).
         place: host `TrainBatch` -> placed `TrainBatch`.
         generation: a `GenerationEvaluator` on the held-out prompts, or None.
+        reference_logprob_fn: `logprob_fn` of the reference model's architecture (a LoRA policy's base), or None:
+            `logprob_fn`.
     """
 
-    def __init__(self, batches, logprob_fn, reference_params, *, beta: float, place, generation=None):
+    def __init__(
+        self, batches, logprob_fn, reference_params, *, beta: float, place, generation=None, reference_logprob_fn=None
+    ):
         self.batches = [place(sft_train_batch(b)) for b in batches]
         self.masks = [np.asarray(b.loss_mask) for b in batches]
         self.logprob_fn, self.beta, self.generation = logprob_fn, beta, generation
-        self.reference = [self._logprobs(reference_params, b) for b in self.batches]
+        reference_fn = reference_logprob_fn or logprob_fn
+        self.reference = [self._logprobs(reference_params, b, reference_fn) for b in self.batches]
 
-    def _logprobs(self, params: Any, batch: TrainBatch) -> np.ndarray:
-        lp, _ = self.logprob_fn(params, batch.tokens, batch.positions, batch.segment_ids)
+    def _logprobs(self, params: Any, batch: TrainBatch, fn=None) -> np.ndarray:
+        lp, _ = (fn or self.logprob_fn)(params, batch.tokens, batch.positions, batch.segment_ids)
         return host_tree(lp)
 
     def __call__(self, params: Any, step: int) -> dict[str, float]:
@@ -170,6 +179,12 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
     pairs = config.train.global_batch_size
     micro_pairs = config.train.micro_batch_size or pairs
     logprob_fn = make_logprob_fn(context.model_config, step.mesh, context.rules, chunk_rows=2 * micro_pairs)
+    # The reference is a model without adapters (a LoRA policy's base, or another folder): its own program.
+    reference_fn = logprob_fn
+    if context.model_config.lora_rank:
+        reference_fn = make_logprob_fn(
+            context.model_config.without_lora(), step.mesh, context.rules, chunk_rows=2 * micro_pairs
+        )
     batches = build_mixture_from_config(
         config.data,
         context.tokenizer,
@@ -196,13 +211,14 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
             beta=_beta(config),
             place=placed,
             generation=generation,
+            reference_logprob_fn=reference_fn,
         )
 
     if config.algo.reference_mode == "per_batch":
 
         def to_train_batch(batch: TokenBatch) -> TrainBatch:
             train_batch = placed(batch)
-            ref, _ = logprob_fn(reference, train_batch.tokens, train_batch.positions, train_batch.segment_ids)
+            ref, _ = reference_fn(reference, train_batch.tokens, train_batch.positions, train_batch.segment_ids)
             return dataclasses.replace(train_batch, ref_logprobs=ref)
 
     else:
@@ -218,7 +234,7 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
         )
         for batch in one_pass:
             train_batch = placed(batch)
-            ref, _ = logprob_fn(reference, train_batch.tokens, train_batch.positions, train_batch.segment_ids)
+            ref, _ = reference_fn(reference, train_batch.tokens, train_batch.positions, train_batch.segment_ids)
             table.add(batch, host_tree(ref))
         del reference  # the table replaces the reference model for training
 

@@ -4,6 +4,10 @@ The params of the newest committed orbax step are read on the host (no accelerat
 the model config is rebuilt from the config saved with the checkpoint, and `feynrl_jax.checkpoints.export_hf`
 writes `config.json`, safetensors and the run's tokenizer files, which `transformers` loads with
 `AutoModelForCausalLM.from_pretrained(DIR)`. The run folder is only read, so a run may keep training in it.
+
+A LoRA run (`model.lora.rank > 0`) exports the merged weights (`W + (alpha / r) A B`) as that plain folder, and its
+adapters alone in PEFT's format in `DIR/lora_adapter` (`peft.PeftModel.from_pretrained(base_model, DIR/lora_adapter)`
+gives the same logits; `model.lora.init_from` continues training from it).
 """
 
 from __future__ import annotations
@@ -14,8 +18,12 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from feynrl_jax.checkpoints import export_hf
+from feynrl_jax.checkpoints.peft_adapters import export_peft
 from feynrl_jax.checkpoints.train_state import TrainCheckpointer
 from feynrl_jax.train import run_setup
+
+ADAPTER_FOLDER = "lora_adapter"
+"""Sub-folder of a LoRA run's export holding the adapters alone, in PEFT's format."""
 
 
 def _params_of(state: Any, where: str) -> Any:
@@ -54,13 +62,17 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
     tokenizer = run_setup.load_run_tokenizer(source)
     model_config = run_setup.model_config(model_cfg, source, tokenizer)
     _check_shapes(params, model_config, where)
-    return export_hf(
+    out = export_hf(
         params,
         model_config,
         out_dir,
         tokenizer_dir=source.tokenizer_dir,
         extra_config={"feynrl_jax": {"run_dir": os.path.abspath(run_dir), "step": int(step)}},
     )
+    if model_config.lora_rank:
+        base = os.path.abspath(source.weights_dir) if source.weights_dir else ""
+        export_peft(params, model_config, os.path.join(out, ADAPTER_FOLDER), base_model=base)
+    return out
 
 
 def _check_shapes(params: Any, model_config: Any, where: str) -> None:

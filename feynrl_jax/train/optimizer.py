@@ -17,7 +17,7 @@ import jax
 import optax
 
 SCHEDULES = ("cosine", "constant")
-DECAYED_LEAF_NAMES = ("kernel", "embedding")
+DECAYED_LEAF_NAMES = ("kernel", "embedding", "lora_a", "lora_b")
 
 
 def learning_rate_schedule(

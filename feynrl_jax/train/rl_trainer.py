@@ -58,7 +58,7 @@ from feynrl_jax.config.derived import (
 from feynrl_jax.losses import ALGORITHMS, Algorithm, TrainBatch, compute_metrics
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
-from feynrl_jax.models import ModelConfig, as_param_dtype
+from feynrl_jax.models import ModelConfig, as_param_dtype, lora
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
 from feynrl_jax.sharding import batch_size_multiple, host_tree, mesh_shape
 from feynrl_jax.train import run_setup
@@ -401,32 +401,35 @@ class RLTrainer:
             grad_accum=self.plan.grad_accum_steps,
             learning_rate_fn=schedule,
         )
-        self.logprobs = make_logprob_fn(
-            self.model_config,
-            self.mesh,
-            self.rules,
-            chunk_rows=chunk_rows,
-            temperature=settings.temperature,
-            with_entropy=True,
-            first_column=first_column,
+        logprob_settings = dict(
+            chunk_rows=chunk_rows, temperature=settings.temperature, with_entropy=True, first_column=first_column
         )
+        self.logprobs = make_logprob_fn(self.model_config, self.mesh, self.rules, **logprob_settings)
+        # The reference has no adapters (a LoRA policy's base, or another model folder): its own program.
+        self.reference_logprobs = self.logprobs
+        if self.model_config.lora_rank:
+            self.reference_logprobs = make_logprob_fn(
+                self.model_config.without_lora(), self.mesh, self.rules, **logprob_settings
+            )
         self.critic_step = None
         if self.algorithm.needs_critic:
             critic_optim = config.optim.copy_and_resolve_references()
             with critic_optim.unlocked():
                 critic_optim.lr = settings.critic_lr
             self.critic_optimizer, _ = run_setup.build_optimizer(critic_optim, self.total_updates)
+            # The critic is a full model of the base architecture (LoRA adapters belong to the policy alone).
+            critic_config = self.model_config.without_lora()
             self.critic_step = make_critic_train_step(
-                self.model_config,
+                critic_config,
                 self.critic_optimizer,
                 self.mesh,
                 self.rules,
                 value_clip=settings.value_clip,
                 vf_coef=settings.vf_coef,
                 grad_accum=self.plan.grad_accum_steps,
-                params_spec=critic_params_spec(self.model_config).with_master_dtype(config.model.master_dtype or None),
+                params_spec=critic_params_spec(critic_config).with_master_dtype(config.model.master_dtype or None),
             )
-            self._values = jax.jit(functools.partial(critic_values, config=self.model_config))
+            self._values = jax.jit(functools.partial(critic_values, config=critic_config))
         self.guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite)
         self.critic_guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite, model="critic")
         self.checkpointer = TrainCheckpointer(
@@ -482,17 +485,25 @@ class RLTrainer:
 
     def _initial_params(self) -> Any:
         return run_setup.load_params(
-            self.model_config, self.source, seed=self.settings.seed, shardings=self.train_step.state_shardings.params
+            self.model_config,
+            self.source,
+            seed=self.settings.seed,
+            shardings=self.train_step.state_shardings.params,
+            lora_init_from=self.config.model.lora.init_from or None,
         )
 
     def _reference_params(self) -> Any:
         reference = self.settings.reference
         ref_source = run_setup.ModelSource(weights_dir=reference, tokenizer_dir=self.source.tokenizer_dir)
-        ref_config = run_setup.model_config(self.config.model, ref_source, self.tokenizer)
-        if ref_config != self.model_config:
+        ref_config = run_setup.model_config(self.config.model, ref_source, self.tokenizer).without_lora()
+        if ref_config != self.model_config.without_lora():
             raise ValueError(f"config.algo.reference={reference!r} has another architecture than the policy")
+        shardings = self.train_step.state_shardings.params
         return run_setup.load_params(
-            ref_config, ref_source, seed=self.settings.seed, shardings=self.train_step.state_shardings.params
+            ref_config,
+            ref_source,
+            seed=self.settings.seed,
+            shardings=lora.base_params(shardings) if self.model_config.lora_rank else shardings,
         )
 
     def _abstract_state(self) -> dict[str, Any]:
@@ -514,15 +525,21 @@ class RLTrainer:
                 f"run folder {self.config.run_dir} already holds checkpoints (latest step {latest}) and "
                 "checkpoint.resume is False; pass --resume to continue it or choose another config.run_dir"
             )
-        initial = self.settings.reference == "initial"
+        lora_run = bool(self.model_config.lora_rank)
+        # With LoRA the initial reference is the state's own frozen base (set below, once the state exists).
+        initial = self.settings.reference == "initial" and not lora_run
         params = self._initial_params() if latest is None or initial else None
-        if self.settings.uses_reference:
+        if self.settings.uses_reference and not (lora_run and self.settings.reference == "initial"):
             # A copy: the train step donates the state's buffers, which must not be the reference's.
             self.reference = jax.tree.map(jnp.copy, params) if initial else self._reference_params()
         if latest is None:
             if self.critic_step is not None:
-                self.critic_state = self.critic_step.init_state(init_critic_params(params, self.model_config))
+                critic_backbone = lora.base_params(params) if self.model_config.lora_rank else params
+                self.critic_state = self.critic_step.init_state(
+                    init_critic_params(critic_backbone, self.model_config.without_lora())
+                )
             self.state = self.train_step.init_state(params)
+            self._reference_from_base()
             self.policy_version = 0
             return Restored(step=0, policy_version=0, rng=None, data_state=None)
         tree, progress = self.checkpointer.restore(self._abstract_state())
@@ -530,6 +547,7 @@ class RLTrainer:
         for state in tree.values():
             check_restored_state(state, where)
         self.state = tree["policy"]
+        self._reference_from_base()
         self.critic_state = tree.get("critic")
         self.policy_version = progress.policy_version
         log.info(
@@ -537,6 +555,21 @@ class RLTrainer:
         )
         rng = np.asarray(jax.random.key_data(progress.rng), np.uint32)
         return Restored(progress.step, progress.policy_version, rng, progress.data_state)
+
+    def _reference_from_base(self) -> None:
+        """With LoRA and `algo.reference="initial"`, the reference is the policy with its adapters off: the train
+        state's frozen base arrays themselves (never donated, never changed), not a copy."""
+        if self.settings.uses_reference and self.model_config.lora_rank and self.settings.reference == "initial":
+            self.reference = lora.base_params(self.state.params)
+
+    def host_base(self) -> dict[str, Any]:
+        """The frozen base params of a LoRA policy in `model.param_dtype` on host (published once per run); with
+        several trainer processes a collective that gathers them on every process."""
+        return host_tree(as_param_dtype(lora.base_params(self.state.params), self.model_config))
+
+    def host_adapters(self) -> dict[str, Any]:
+        """The LoRA adapters alone in `model.param_dtype` on host (what a weight sync of a LoRA run carries)."""
+        return host_tree(as_param_dtype(lora.adapters_of(self.state.params), self.model_config))
 
     def host_params(self) -> dict[str, Any]:
         """The policy params in `model.param_dtype` (float32 masters rounded on the device first) fetched to host
@@ -576,9 +609,12 @@ class RLTrainer:
         """The no-grad passes this run's steps need, bound to the current params."""
         return ForwardPasses(
             proximal=functools.partial(self.logprobs, self.state.params) if self.settings.separate_old_pass else None,
-            reference=(None if self.reference is None else (lambda *inputs: self.logprobs(self.reference, *inputs)[0])),
+            reference=None if self.reference is None else self._reference_pass,
             values=None if self.critic_step is None else functools.partial(self._values, self.critic_state.params),
         )
+
+    def _reference_pass(self, *inputs: jax.Array) -> jax.Array:
+        return self.reference_logprobs(self.reference, *inputs)[0]
 
     def update(self, batch: TrainBatch, *, shuffle_seed: int, step: int) -> dict[str, float]:
         """`ppo_epochs` passes of `mini_batches` shuffled updates over `batch` (and the critic's, for PPO).

@@ -28,8 +28,8 @@ from ml_collections import ConfigDict
 from feynrl_jax.checkpoints import convert_gguf, load_hf, load_tokenizer, smollm2_checkpoint_dir
 from feynrl_jax.config.errors import ConfigError, Problem
 from feynrl_jax.errors import InputError
-from feynrl_jax.models import ModelConfig, init_params
-from feynrl_jax.sharding import get_rules, make_mesh, mesh_shape
+from feynrl_jax.models import ModelConfig, init_params, lora
+from feynrl_jax.sharding import get_rules, make_mesh, mesh_shape, place_tree
 from feynrl_jax.train.optimizer import make_optimizer
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ def model_config(model_cfg: ConfigDict, source: ModelSource, tokenizer: Any) -> 
         ConfigError: a random-init `model.arch.vocab_size` is smaller than the tokenizer.
     """
     dtypes = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+    dtypes.update(lora_fields(model_cfg.lora))
     size = tokenizer_size(tokenizer)
     if source.weights_dir is not None:
         config = ModelConfig.from_hf(source.weights_dir, **dtypes)
@@ -147,15 +148,59 @@ def model_config(model_cfg: ConfigDict, source: ModelSource, tokenizer: Any) -> 
     return ModelConfig(**arch, **dtypes, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=pad)
 
 
-def load_params(config: ModelConfig, source: ModelSource, *, seed: int, shardings: Any = None) -> Any:
-    """The initial params: loaded from `source.weights_dir` or randomly initialised from `seed`.
+def lora_fields(lora_cfg: ConfigDict) -> dict[str, Any]:
+    """`ModelConfig`'s LoRA fields from `config.model.lora` (none when `rank` is 0).
+
+    Raises:
+        InputError: `init_from` names a PEFT adapter whose r, lora_alpha or target modules differ from
+            `model.lora.rank`, `alpha` or `targets` (names the folder and both values).
+    """
+    if not lora_cfg.rank:
+        return {}
+    fields = dict(lora_rank=int(lora_cfg.rank), lora_alpha=float(lora_cfg.alpha), lora_targets=tuple(lora_cfg.targets))
+    if lora_cfg.init_from:
+        from feynrl_jax.checkpoints.peft_adapters import read_adapter_config
+
+        found = read_adapter_config(lora_cfg.init_from)
+        keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
+        for field, key in keys.items():
+            want = tuple(sorted(fields[field])) if field == "lora_targets" else fields[field]
+            got = tuple(sorted(found[field])) if field == "lora_targets" else found[field]
+            if want != got:
+                raise InputError(
+                    f"config.model.lora.{key}={fields[field]!r} but the PEFT adapter in {lora_cfg.init_from} has "
+                    f"{got!r}: set config.model.lora.{key} to the adapter's"
+                )
+    return fields
+
+
+def load_params(
+    config: ModelConfig, source: ModelSource, *, seed: int, shardings: Any = None, lora_init_from: str | None = None
+) -> Any:
+    """The initial params: loaded from `source.weights_dir` or randomly initialised from `seed`; with LoRA
+    (`config.lora_rank`), the base plus adapters: fresh ones (from `seed`) or a PEFT adapter's (`lora_init_from`).
 
     Args:
         config: the model config.
         source: the resolved source.
-        seed: the run seed (random init only).
+        seed: the run seed (random init, fresh adapters).
         shardings: a pytree of shardings matching the params (placement of loaded or initialised weights).
+        lora_init_from: a PEFT adapter folder (`model.lora.init_from`), or None.
     """
+    if config.lora_rank:
+        base_shardings, adapter_shardings = (None, None) if shardings is None else lora.split(shardings)
+        # The base: the weights a run without LoRA would start from (the same random ones for the same seed).
+        base = load_params(config.without_lora(), source, seed=seed, shardings=base_shardings)
+        if lora_init_from:
+            from feynrl_jax.checkpoints.peft_adapters import load_peft_adapters
+
+            adapters = load_peft_adapters(lora_init_from, config)
+            adapters = adapters if adapter_shardings is None else place_tree(adapters, adapter_shardings)
+        else:
+            init = functools.partial(lora.init_adapters, config)
+            key = jax.random.fold_in(jax.random.key(seed), 1)
+            adapters = init(key) if adapter_shardings is None else jax.jit(init, out_shardings=adapter_shardings)(key)
+        return lora.combine(base, adapters)
     if source.weights_dir is not None:
         params, _ = load_hf(source.weights_dir, config=config, shardings=shardings)
         return params

@@ -7,6 +7,7 @@ held-out split with the native engine and scores them with `config.eval.reward` 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ from ml_collections import ConfigDict
 
 from feynrl_jax.data.from_config import build_mixture_from_config, build_sources_from_config
 from feynrl_jax.eval.evaluate import GenerationEvaluator, evaluator_from_config
-from feynrl_jax.models import ModelConfig, as_param_dtype
+from feynrl_jax.models import ModelConfig, as_param_dtype, lora
 from feynrl_jax.sharding import host_tree
 from feynrl_jax.train.run_lock import RunLock
 from feynrl_jax.train.supervised_loop import RunContext, SupervisedTask, place, run_supervised, sft_train_batch
@@ -40,17 +41,23 @@ class GenerationOnPrimary:
     processes: each call rounds the params to `param_dtype` on the devices (float32 masters travel as the bfloat16
     weights the engine would use), gathers them from every process (`host_tree`, a collective all of them make),
     and process 0 alone generates, on its own devices, and writes the results; the others return no metrics.
+    LoRA adapters are first merged into their kernels (`lora.merge`, on the devices): the engine runs the base model
+    (`model_config.without_lora()`) with the merged weights, at the base model's decode speed.
 
     Args:
-        evaluator: a `GenerationEvaluator`, or None on a process that does not evaluate.
-        model_config: the model's config (its `param_dtype`).
+        evaluator: a `GenerationEvaluator` of `model_config.without_lora()`, or None on a process that does not
+            evaluate.
+        model_config: the model's config (its `param_dtype`, its LoRA adapters).
     """
 
     def __init__(self, evaluator: GenerationEvaluator | None, model_config: ModelConfig):
         self.evaluator = evaluator
         self.model_config = model_config
+        self._merge = jax.jit(functools.partial(lora.merge, config=model_config)) if model_config.lora_rank else None
 
     def __call__(self, params: Any, step: int) -> dict[str, float]:
+        if self._merge is not None:
+            params = self._merge(params)
         if jax.process_count() > 1:
             params = host_tree(as_param_dtype(params, self.model_config))
         return self.evaluator(params, step) if self.evaluator is not None else {}
@@ -67,9 +74,11 @@ def generation_evaluation(
     `<run_dir>/eval_results_step<N>.json`) of a run whose trainer holds params at `param_shardings`."""
     evaluator = None
     if jax.process_index() == 0:
+        if model_config.lora_rank:  # the engine gets merged weights (GenerationOnPrimary)
+            param_shardings = lora.base_params(param_shardings)
         evaluator = evaluator_from_config(
             config,
-            model_config,
+            model_config.without_lora(),
             None,
             tokenizer,
             param_shardings=param_shardings if jax.process_count() == 1 else None,

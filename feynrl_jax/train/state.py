@@ -19,7 +19,8 @@ class TrainState:
         params: the model params pytree, in the dtypes of the step's ``ParamsSpec``: the model's ``param_dtype``, or
             float32 master weights (``model.master_dtype``) that consumers round to ``param_dtype``
             (``feynrl_jax.models.as_param_dtype``; docs/DTYPES.md).
-        opt_state: the optax state (mirrors ``params``, dtypes included, for Adam's moments).
+        opt_state: the optax state (mirrors the trained part of ``params``, dtypes included, for Adam's moments:
+            all of them, or the LoRA adapters alone; ``ParamsSpec.trainable``).
         step: int32 scalar, the number of updates applied (skipped non-finite steps do not count).
         nonfinite_streak: int32 scalar, consecutive steps skipped for a non-finite gradient, loss, updated params
             or updated optimizer state (0 after any applied step).
@@ -34,7 +35,8 @@ class TrainState:
     nonfinite_total: jax.Array
 
 
-def create_train_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
-    """A fresh state: ``optimizer.init(params)`` and zero counters. Jit it with ``out_shardings`` to place it."""
+def create_train_state(params: Any, optimizer: optax.GradientTransformation, *, trained: Any = None) -> TrainState:
+    """A fresh state: ``optimizer.init(trained)`` (``trained``: the part of ``params`` that trains, default all of
+    them) and zero counters. Jit it with ``out_shardings`` to place it."""
     zero = jnp.zeros((), jnp.int32)
-    return TrainState(params, optimizer.init(params), zero, zero, zero)
+    return TrainState(params, optimizer.init(params if trained is None else trained), zero, zero, zero)

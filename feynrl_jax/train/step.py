@@ -21,6 +21,10 @@ bfloat16 forward pass is applied to the float32 masters, so updates smaller than
    and optimizer state unchanged, the counters in ``TrainState`` incremented (``nonfinite.NonFiniteGuard`` reads
    them on the host).
 
+Frozen params (``ParamsSpec.trainable``; the base weights under LoRA): the step differentiates and updates only the
+trained leaves, the optimizer state holds only theirs, and the frozen ones enter the jitted program as a separate
+argument that is not donated, so they keep their buffers from step to step.
+
 Shardings: params by the logical axes and the rules table; the optimizer state by the params' (matched by tree
 structure); batches over ``("data", "fsdp")`` on ``B``; metrics replicated. XLA's SPMD partitioner inserts the
 all-gathers and reduce-scatters of FSDP and the collectives of tensor parallelism.
@@ -47,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics
 from feynrl_jax.losses.metrics import Metric, last_metric, scalar_metric
-from feynrl_jax.models import ModelConfig, init_params, logical_axes, sequence_logprobs
+from feynrl_jax.models import ModelConfig, init_params, logical_axes, lora, sequence_logprobs
 from feynrl_jax.sharding import (
     batch_size_multiple,
     optimizer_state_shardings,
@@ -67,26 +71,34 @@ Predict = Callable[[Any, TrainBatch], tuple[jax.Array, jax.Array | None]]
 
 @dataclasses.dataclass(frozen=True)
 class ParamsSpec:
-    """The params' logical axes, shapes and dtypes: what the step needs to shard and hold params and optimizer state.
+    """The params' logical axes, shapes and dtypes, and which of them train: what the step needs to shard and hold
+    params and optimizer state.
 
     Attributes:
         logical_axes: pytree of logical-axis tuples (``feynrl_jax.models.logical_axes``), like the params.
         shape: pytree of ``jax.ShapeDtypeStruct`` (or arrays), like the params; their dtypes are the train state's.
+        trainable: ``key path -> bool`` for the leaves the step trains (the params must then be nested dicts), or
+            None: every leaf. The others are frozen: held in the state and passed to ``predict``, never
+            differentiated, never in the optimizer state (LoRA: ``feynrl_jax.models.lora.is_adapter_path``).
     """
 
     logical_axes: Any
     shape: Any
+    trainable: Callable[[tuple[Any, ...]], bool] | None = None
 
     @classmethod
     def of_model(cls, config: ModelConfig) -> ParamsSpec:
-        """The spec of ``init_params(config, key)`` (shapes by ``jax.eval_shape``: nothing is allocated)."""
-        return cls(logical_axes(config), jax.eval_shape(functools.partial(init_params, config), jax.random.key(0)))
+        """The spec of ``init_params(config, key)`` (shapes by ``jax.eval_shape``: nothing is allocated); with LoRA
+        adapters (``config.lora_rank``) only they train."""
+        shape = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+        return cls(logical_axes(config), shape, lora.is_adapter_path if config.lora_rank else None)
 
     def with_master_dtype(self, dtype: str | None) -> ParamsSpec:
-        """The spec of a state holding master weights: every floating leaf widened to at least ``dtype``.
+        """The spec of a state holding master weights: every trained floating leaf widened to at least ``dtype``.
 
-        Each leaf takes ``jnp.promote_types(leaf dtype, dtype)``: ``"float32"`` makes bfloat16 leaves float32 and
-        leaves float32 ones (a critic's value head) as they are. The optimizer state follows the params' dtypes.
+        Each trained leaf takes ``jnp.promote_types(leaf dtype, dtype)``: ``"float32"`` makes bfloat16 leaves
+        float32 and leaves float32 ones (a critic's value head) as they are. Frozen leaves keep their dtype (they
+        take no update to accumulate). The optimizer state follows the params' dtypes.
 
         Args:
             dtype: the master dtype (``model.master_dtype``), or None: this spec unchanged.
@@ -95,12 +107,53 @@ class ParamsSpec:
             return self
         master = jnp.dtype(dtype)
 
-        def widen(leaf: Any) -> jax.ShapeDtypeStruct:
-            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+        def widen(path: tuple[Any, ...], leaf: Any) -> jax.ShapeDtypeStruct:
+            frozen = self.trainable is not None and not self.trainable(path)
+            if frozen or not jnp.issubdtype(leaf.dtype, jnp.floating):
                 return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
             return jax.ShapeDtypeStruct(leaf.shape, jnp.promote_types(leaf.dtype, master))
 
-        return ParamsSpec(self.logical_axes, jax.tree.map(widen, self.shape))
+        return dataclasses.replace(self, shape=jax.tree_util.tree_map_with_path(widen, self.shape))
+
+    def split(self, tree: Any) -> tuple[Any, Any]:
+        """``(frozen, trained)`` parts of a params-shaped nested dict (no copy; ``({}, tree)`` when everything
+        trains)."""
+        if self.trainable is None:
+            return {}, tree
+        return _partition(tree, self.trainable, ())
+
+    def trained(self, tree: Any) -> Any:
+        """The trained part of a params-shaped tree (``tree`` itself when everything trains)."""
+        return self.split(tree)[1]
+
+
+def _partition(tree: Any, keep: Callable[[tuple[Any, ...]], bool], path: tuple[Any, ...]) -> tuple[Any, Any]:
+    if not isinstance(tree, dict):
+        raise TypeError(f"ParamsSpec.trainable needs params of nested dicts, found {type(tree).__name__} at {path}")
+    frozen, trained = {}, {}
+    for key, value in tree.items():
+        where = (*path, jax.tree_util.DictKey(key))
+        if isinstance(value, dict):
+            f, t = _partition(value, keep, where)
+            if f:
+                frozen[key] = f
+            if t:
+                trained[key] = t
+        elif keep(where):
+            trained[key] = value
+        else:
+            frozen[key] = value
+    return frozen, trained
+
+
+def union(frozen: Any, trained: Any) -> Any:
+    """``ParamsSpec.split``'s inverse: the nested dicts merged (``trained`` alone when ``frozen`` is empty)."""
+    if not frozen:
+        return trained
+    out = dict(frozen)
+    for key, value in trained.items():
+        out[key] = union(frozen[key], value) if key in frozen and isinstance(value, dict) else value
+    return out
 
 
 def model_logprob_fn(
@@ -158,6 +211,7 @@ class TrainStep:
             checkpoint is restored into.
         grad_accum: the number of micro-batches per step.
         rows_per_example: rows kept together in one micro-batch (2 for DPO pairs).
+        params_spec: the params' spec: which leaves train (``ParamsSpec.trainable``).
     """
 
     mesh: Mesh
@@ -165,13 +219,18 @@ class TrainStep:
     abstract_state: TrainState
     grad_accum: int
     rows_per_example: int
-    _jitted: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, Metric]]]
+    params_spec: ParamsSpec
+    _jitted: Callable[[TrainState, Any, TrainBatch], tuple[TrainState, dict[str, Metric]]]
     _init: Callable[[Any], TrainState]
     _traces: list[int]
 
     def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Metric]]:
         check_divisible(batch.tokens.shape[0], self.grad_accum, self.rows_per_example, batch_size_multiple(self.mesh))
-        return self._jitted(state, batch)
+        # Frozen params (a LoRA base) go in as their own argument, never donated: the arrays stay the same across
+        # steps, so a view of them (the reference model, ``lora.base_params(state.params)``) stays valid.
+        frozen, trained = self.params_spec.split(state.params)
+        new_state, metrics = self._jitted(dataclasses.replace(state, params=trained), frozen, batch)
+        return dataclasses.replace(new_state, params=union(frozen, new_state.params)), metrics
 
     @property
     def trace_count(self) -> int:
@@ -264,44 +323,46 @@ def make_train_step(
 
     p_shardings = param_shardings(params_logical_axes, mesh, rules, shapes=params_shape)
     rep = replicated(mesh)
+    trained_shape, trained_shardings = params_spec.trained(params_shape), params_spec.trained(p_shardings)
     state_shardings = TrainState(
         params=p_shardings,
-        opt_state=optimizer_state_shardings(optimizer.init, params_shape, p_shardings, mesh),
+        opt_state=optimizer_state_shardings(optimizer.init, trained_shape, trained_shardings, mesh),
         step=rep,
         nonfinite_streak=rep,
         nonfinite_total=rep,
     )
     traces = [0]
 
-    def micro_loss(params: Any, micro: TrainBatch) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
-        per_token, entropy = predict(params, micro)
+    def micro_loss(trained: Any, frozen: Any, micro: TrainBatch) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
+        per_token, entropy = predict(union(frozen, trained), micro)
         extra = {} if entropy is None else {"entropy": entropy}
         loss_sum, metrics = loss_fn(per_token.astype(jnp.float32), micro, **extra)
         return loss_sum.total, (loss_sum.denom, metrics)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def micro_grads(params: Any, micro: TrainBatch) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
-        (total, (denom, metrics)), grads = grad_fn(params, _constrain_batch(micro, mesh))
+    def micro_grads(params: Any, frozen: Any, micro: TrainBatch) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
+        (total, (denom, metrics)), grads = grad_fn(params, frozen, _constrain_batch(micro, mesh))
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        grads = jax.lax.with_sharding_constraint(grads, p_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, trained_shardings)
         return grads, total.astype(jnp.float32), denom.astype(jnp.float32), metrics
 
-    def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Metric]]:
+    def step(state: TrainState, frozen: Any, batch: TrainBatch) -> tuple[TrainState, dict[str, Metric]]:
+        """One update; ``state.params`` is the trained part alone (differentiated), ``frozen`` the rest."""
         traces[0] += 1
         params = state.params
         if grad_accum == 1:
-            grads, total, denom, metrics = micro_grads(params, batch)
+            grads, total, denom, metrics = micro_grads(params, frozen, batch)
         else:
             micro = split_microbatches(batch, grad_accum, rows_per_example)
 
             def body(carry, one):
                 g_acc, t_acc, d_acc = carry
-                g, t, d, m = micro_grads(params, one)
+                g, t, d, m = micro_grads(params, frozen, one)
                 return (jax.tree.map(jnp.add, g_acc, g), t_acc + t, d_acc + d), m
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            zeros = jax.lax.with_sharding_constraint(zeros, p_shardings)
+            zeros = jax.lax.with_sharding_constraint(zeros, trained_shardings)
             init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
             (grads, total, denom), stacked = jax.lax.scan(body, init, micro)
             metrics = _fold_metrics(stacked, grad_accum)
@@ -342,17 +403,19 @@ def make_train_step(
 
     batch_in = NamedSharding(mesh, batch_pspec(1))
     options = dict(compiler_options) if compiler_options else None
+    frozen_shardings = params_spec.split(p_shardings)[0]
+    trained_state_shardings = dataclasses.replace(state_shardings, params=trained_shardings)
     jitted = jax.jit(
         step,
-        in_shardings=(state_shardings, batch_in),
-        out_shardings=(state_shardings, rep),
+        in_shardings=(trained_state_shardings, frozen_shardings, batch_in),
+        out_shardings=(trained_state_shardings, rep),
         donate_argnums=(0,) if donate else (),
         compiler_options=options,
     )
 
     def init_state(params: Any) -> TrainState:
         params = jax.tree.map(lambda p, s: p.astype(s.dtype), params, params_shape)
-        return create_train_state(params, optimizer)
+        return create_train_state(params, optimizer, trained=params_spec.trained(params))
 
     init = jax.jit(init_state, in_shardings=(p_shardings,), out_shardings=state_shardings, compiler_options=options)
     abstract_state = jax.tree.map(
@@ -360,7 +423,9 @@ def make_train_step(
         jax.eval_shape(init_state, params_shape),
         state_shardings,
     )
-    return TrainStep(mesh, state_shardings, abstract_state, grad_accum, rows_per_example, jitted, init, traces)
+    return TrainStep(
+        mesh, state_shardings, abstract_state, grad_accum, rows_per_example, params_spec, jitted, init, traces
+    )
 
 
 def make_algorithm_train_step(

@@ -38,7 +38,7 @@ from feynrl_jax.config.validation import validate
 from feynrl_jax.data.packing import TokenBatch
 from feynrl_jax.losses import ALGORITHMS, TrainBatch
 from feynrl_jax.losses.metrics import combine_updates
-from feynrl_jax.models import ModelConfig
+from feynrl_jax.models import ModelConfig, lora
 from feynrl_jax.tracking import Tracker
 from feynrl_jax.train import run_setup
 from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
@@ -60,6 +60,8 @@ class RunContext:
         rules: the logical-axis rules table the params are sharded by.
         initial_params: returns the run's initial params (loaded or initialised), placed like the state's
             params; called only by tasks that need them (DPO's reference), or to start a fresh run.
+        lora_base: with LoRA adapters, the base model's params: the train state's frozen arrays themselves (no
+            copy; they never change and are never donated), the reference model of a LoRA run. None otherwise.
     """
 
     run_dir: str
@@ -69,6 +71,7 @@ class RunContext:
     train_step: TrainStep
     rules: Any
     initial_params: Callable[[], Any]
+    lora_base: Any = None
 
 
 @dataclasses.dataclass
@@ -148,7 +151,11 @@ def run_supervised(
 
     def initial_params() -> Any:
         return run_setup.load_params(
-            model_config, source, seed=config.seed, shardings=train_step.state_shardings.params
+            model_config,
+            source,
+            seed=config.seed,
+            shardings=train_step.state_shardings.params,
+            lora_init_from=config.model.lora.init_from or None,
         )
 
     save_every = checkpoint_every(config)
@@ -164,17 +171,20 @@ def run_supervised(
                 f"run folder {run_dir} already holds checkpoints (latest step {latest}) and checkpoint.resume is "
                 "False; pass --resume to continue it or choose another config.run_dir"
             )
-        context = RunContext(run_dir, source, tokenizer, model_config, train_step, rules, initial_params)
-        task = make_task(config, context)
-        stack.callback(task.close)
-
+        progress = None
         if latest is None:
             state = train_step.init_state(initial_params())
-            rng = jax.random.key(config.seed)
-            start = 0
         else:
             state, progress = checkpointer.restore(train_step.abstract_state)
             check_restored_state(state, os.path.join(checkpointer.directory, str(progress.step)))
+        lora_base = lora.base_params(state.params) if model_config.lora_rank else None
+        context = RunContext(run_dir, source, tokenizer, model_config, train_step, rules, initial_params, lora_base)
+        task = make_task(config, context)
+        stack.callback(task.close)
+        if progress is None:
+            rng = jax.random.key(config.seed)
+            start = 0
+        else:
             task.batches.set_state(progress.data_state)
             rng = progress.rng
             start = progress.step

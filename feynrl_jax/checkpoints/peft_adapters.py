@@ -1,0 +1,202 @@
+"""LoRA adapters in PEFT's folder format: written so that `peft.PeftModel.from_pretrained` loads them onto the
+transformers model, and read back to continue training.
+
+A folder holds `adapter_config.json` (`peft_type` "LORA", `r`, `lora_alpha`, `target_modules`, ...) and
+`adapter_model.safetensors` with, for every layer `i` and target projection,
+
+| our leaf (one layer) | PEFT tensor | PEFT shape |
+|---|---|---|
+| `layers/<t>/lora_a` `[*inputs, r]` | `base_model.model.model.layers.{i}.<module>.<t>.lora_A.weight` | `[r, in]` |
+| `layers/<t>/lora_b` `[r, *outputs]` | `base_model.model.model.layers.{i}.<module>.<t>.lora_B.weight` | `[out, r]` |
+
+where `<module>` is `self_attn` (q, k, v, o) or `mlp` (gate, up, down), and `in`/`out` flatten the heads exactly as
+the kernels' Hugging Face layout does (`hf_names`): PEFT computes `x A^T B^T (alpha / r)`, ours `x A B (alpha / r)`.
+Only plain LoRA is read: rsLoRA's `alpha / sqrt(r)`, DoRA, trained biases, `modules_to_save` or per-module ranks
+are refused with the file named, never half-applied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from feynrl_jax.errors import InputError
+from feynrl_jax.models.config import LORA_TARGETS, ModelConfig
+from feynrl_jax.models.lora import input_dims
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_MODULE = {t: "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for t in LORA_TARGETS}
+
+
+def tensor_name(layer: int, target: str, which: str) -> str:
+    """The PEFT tensor name of one layer's `lora_A` / `lora_B` (`which` "A" or "B") of `target`."""
+    return f"base_model.model.model.layers.{layer}.{_MODULE[target]}.{target}.lora_{which}.weight"
+
+
+def read_adapter_config(folder: str) -> dict[str, Any]:
+    """`{"lora_rank", "lora_alpha", "lora_targets"}` of a PEFT LoRA folder.
+
+    Raises:
+        InputError: no `adapter_config.json`, not JSON, not a LoRA adapter, or one using what this project does
+            not train (rsLoRA, DoRA, biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`);
+            names the file and the key.
+    """
+    path = os.path.join(folder, ADAPTER_CONFIG)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no PEFT adapter config (adapter_config.json) in {folder}") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    if raw.get("peft_type") != "LORA":
+        raise InputError(f"{path}: peft_type={raw.get('peft_type')!r}; only LORA adapters are read")
+    unsupported = {
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "lora_bias": False,
+        "bias": "none",
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    for key, plain in unsupported.items():
+        value = raw.get(key, plain)
+        if value != plain and (plain == "none" or value):  # unset, null, false and empty mean "not used"
+            raise InputError(f"{path}: {key}={raw[key]!r} is not supported (plain LoRA only: {key}={plain!r})")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str) or not targets:
+        raise InputError(f"{path}: target_modules={targets!r}; a list of projection names is needed")
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown:
+        raise InputError(f"{path}: target_modules {unknown} are not among {LORA_TARGETS}")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(raw.get(key), int | float) or raw[key] <= 0:
+            raise InputError(f"{path}: {key}={raw.get(key)!r} must be a positive number")
+    return {"lora_rank": int(raw["r"]), "lora_alpha": float(raw["lora_alpha"]), "lora_targets": tuple(targets)}
+
+
+def _per_layer(leaf: np.ndarray, target: str, which: str) -> list[np.ndarray]:
+    """Our stacked adapter leaf as one PEFT matrix per layer."""
+    rank = leaf.shape[-1] if which == "A" else leaf.shape[1]
+    if which == "A":  # [L, *inputs, r] -> [r, in]
+        return [a.reshape(-1, rank).T for a in leaf]
+    return [b.reshape(rank, -1).T for b in leaf]  # [L, r, *outputs] -> [out, r]
+
+
+def export_peft(params: dict, config: ModelConfig, folder: str, *, base_model: str = "") -> str:
+    """Writes the adapters of `params` as a PEFT LoRA folder (complete or not at all: written beside it, then
+    renamed into place; an existing folder is replaced).
+
+    Args:
+        params: params with adapters (host or device arrays; float32 adapters stay float32).
+        config: the model config (`lora_rank`, `lora_alpha`, `lora_targets`).
+        folder: the folder to write.
+        base_model: `base_model_name_or_path` for the config (the base model's folder or hub id), or "".
+
+    Returns:
+        `folder`.
+    """
+    from safetensors.numpy import save_file
+
+    if not config.lora_rank:
+        raise ValueError("export_peft needs a model config with LoRA adapters (lora_rank > 0)")
+    tensors = {}
+    for target in config.lora_targets:
+        leaves = params["layers"][target]
+        for key, which in (("lora_a", "A"), ("lora_b", "B")):
+            for i, matrix in enumerate(_per_layer(np.asarray(leaves[key]), target, which)):
+                tensors[tensor_name(i, target, which)] = np.ascontiguousarray(matrix)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or None,
+        "r": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(config.lora_targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".peft-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(staging, ADAPTER_CONFIG), "w") as f:
+            json.dump(adapter_config, f, indent=2, sort_keys=True)
+        if os.path.isdir(folder):
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def load_peft_adapters(folder: str, config: ModelConfig) -> dict:
+    """The adapters of a PEFT LoRA folder as our nested, stacked float32 leaves (`{"layers": {target: {...}}}`).
+
+    Args:
+        folder: the PEFT folder.
+        config: the model config the adapters are for (its LoRA fields must be the folder's).
+
+    Raises:
+        InputError: the folder's config or tensors do not fit `config` (a tensor missing, unexpected, or of
+            another shape; the message names the file and the tensor).
+    """
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    found = read_adapter_config(folder)
+    mine = {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
+    if any(found[k] != v for k, v in mine.items()) or set(found["lora_targets"]) != set(config.lora_targets):
+        raise InputError(f"{folder}: the adapter ({found}) is not the one the run's config describes ({mine})")
+    path = os.path.join(folder, ADAPTER_WEIGHTS)
+    try:
+        tensors = load_file(path)
+    except (FileNotFoundError, SafetensorError, OSError) as e:
+        raise InputError(f"{path}: cannot read the adapter weights ({e})") from None
+    from feynrl_jax.models.decoder import param_shapes
+
+    shapes = param_shapes(config)["layers"]
+    out: dict[str, dict] = {}
+    used = set()
+    r = config.lora_rank
+    for target in config.lora_targets:
+        kernel = shapes[target]["kernel"][1:]
+        n = input_dims(target)
+        inputs, outputs = kernel[:n], kernel[n:]
+        leaves = {}
+        for key, which, ours, peft_shape in (
+            ("lora_a", "A", (*inputs, r), (r, int(np.prod(inputs)))),
+            ("lora_b", "B", (r, *outputs), (int(np.prod(outputs)), r)),
+        ):
+            layers = []
+            for i in range(config.num_layers):
+                name = tensor_name(i, target, which)
+                if name not in tensors:
+                    raise InputError(f"{path}: tensor {name} is missing")
+                matrix = tensors[name]
+                if tuple(matrix.shape) != peft_shape:
+                    raise InputError(f"{path}: tensor {name} has shape {tuple(matrix.shape)}, expected {peft_shape}")
+                used.add(name)
+                layers.append(matrix.astype(np.float32).T.reshape(ours))
+            leaves[key] = np.stack(layers)
+        out[target] = leaves
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise InputError(f"{path}: {len(unexpected)} tensor(s) this model has no place for, e.g. {unexpected[0]}")
+    return {"layers": out}

@@ -1,0 +1,463 @@
+"""LoRA (feynrl_jax.models.lora): the adapted model, the step that trains adapters alone, PEFT folders in and out,
+and SFT / DPO runs with adapters.
+
+Tolerances: the model tests compare float32 programs that differ only in the order of their additions (merged
+`W + s A B` against `x W + s (x A) B`): each sum over at most D = 64 products of O(1) values rounds to about
+1e-6, so 1e-4 on logits of O(1) leaves two orders of magnitude of margin and still catches a wrong scale, a
+transposed adapter or a missing target (each changes logits at 1e-2 or more). PEFT parity uses the 1e-4 of
+tests/test_hf_parity.py (float32 PyTorch against float32 XLA on the same weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from feynrl_jax.checkpoints.peft_adapters import export_peft, load_peft_adapters, read_adapter_config
+from feynrl_jax.config import validation
+from feynrl_jax.errors import InputError
+from feynrl_jax.losses import ALGORITHMS, compute_metrics
+from feynrl_jax.models import ModelConfig, forward, init_params, logical_axes, logits, lora
+from feynrl_jax.models.config import LORA_TARGETS
+from feynrl_jax.sharding import RULES, make_mesh
+from feynrl_jax.train.optimizer import make_optimizer
+from feynrl_jax.train.step import ParamsSpec, make_algorithm_train_step
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_train_step import FAST_COMPILE, make_batch  # noqa: E402
+
+TOL = 1e-4
+ALL = LORA_TARGETS
+CONFIG = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    lora_rank=4,
+    lora_alpha=8.0,
+    lora_targets=ALL,
+)
+
+
+def trained_adapters(params: dict, seed: int = 1, scale: float = 0.05) -> dict:
+    """`params` with every `lora_b` random (a fresh adapter's is zero), as after some training."""
+    key = jax.random.key(seed)
+
+    def perturb(path, leaf):
+        if lora.is_adapter_path(path) and path[-1].key == "lora_b":
+            return scale * jax.random.normal(
+                jax.random.fold_in(key, hash(jax.tree_util.keystr(path)) % 2**31), leaf.shape
+            )
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(perturb, params)
+
+
+def tokens_and_positions(batch: int = 2, length: int = 7):
+    tokens = (jnp.arange(batch * length).reshape(batch, length) * 37) % CONFIG.vocab_size
+    return tokens.astype(jnp.int32), jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+def model_logits(params, config):
+    tokens, positions = tokens_and_positions()
+    hidden, _ = forward(params, tokens, positions, config=config)
+    return np.asarray(logits(params, hidden, config=config))
+
+
+def test_config_layer_names_the_same_targets():
+    assert validation.LORA_TARGETS == LORA_TARGETS
+
+
+def test_adapters_sit_beside_their_kernels_with_the_kernels_axes():
+    params = init_params(CONFIG, jax.random.key(0))
+    axes = logical_axes(CONFIG)
+    r = CONFIG.lora_rank
+    for target in ALL:
+        kernel = params["layers"][target]["kernel"]
+        n = 1 + lora.input_dims(target)
+        assert params["layers"][target]["lora_a"].shape == (*kernel.shape[:n], r)
+        assert params["layers"][target]["lora_b"].shape == (kernel.shape[0], r, *kernel.shape[n:])
+        kernel_axes = axes["layers"][target]["kernel"]
+        assert axes["layers"][target]["lora_a"] == (*kernel_axes[:n], "lora_rank")
+        assert axes["layers"][target]["lora_b"] == (kernel_axes[0], "lora_rank", *kernel_axes[n:])
+        assert not np.any(np.asarray(params["layers"][target]["lora_b"]))  # B = 0 (Hu et al. 2021)
+        bound = 1 / np.sqrt(np.prod(kernel.shape[1:n]))
+        a = np.asarray(params["layers"][target]["lora_a"])
+        assert np.abs(a).max() <= bound and a.std() > bound / 4  # uniform in +-1/sqrt(fan_in)
+
+
+def test_a_fresh_adapter_is_the_base_model_exactly():
+    params = init_params(CONFIG, jax.random.key(0))
+    np.testing.assert_array_equal(
+        model_logits(params, CONFIG), model_logits(lora.base_params(params), CONFIG.without_lora())
+    )
+
+
+def test_merged_weights_compute_what_the_adapters_compute():
+    params = trained_adapters(init_params(CONFIG, jax.random.key(0)))
+    adapted = model_logits(params, CONFIG)
+    base = model_logits(lora.base_params(params), CONFIG.without_lora())
+    assert np.abs(adapted - base).max() > 1e-2  # the adapters do change the model
+    merged = model_logits(lora.merge(params, CONFIG), CONFIG.without_lora())
+    np.testing.assert_allclose(merged, adapted, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("target", ALL)
+def test_each_target_is_applied_at_its_own_projection(target):
+    config = dataclasses.replace(CONFIG, lora_targets=(target,))
+    params = trained_adapters(init_params(config, jax.random.key(0)))
+    assert set(lora.adapters_of(params)["layers"]) == {target}
+    merged = model_logits(lora.merge(params, config), config.without_lora())
+    np.testing.assert_allclose(merged, model_logits(params, config), atol=TOL, rtol=0)
+    assert np.abs(merged - model_logits(lora.base_params(params), config.without_lora())).max() > 1e-3
+
+
+def test_split_and_combine_are_inverse_and_share_arrays():
+    params = init_params(CONFIG, jax.random.key(0))
+    base, adapters = lora.split(params)
+    assert all(not lora.is_adapter_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(base)[0])
+    assert all(lora.is_adapter_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(adapters)[0])
+    again = lora.combine(base, adapters)
+    assert jax.tree.structure(again) == jax.tree.structure(params)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params), strict=True))
+    with pytest.raises(ValueError, match="both"):
+        lora.combine(params, adapters)
+
+
+def test_model_config_rejects_bad_lora_fields():
+    with pytest.raises(ValueError, match="lora_targets"):
+        dataclasses.replace(CONFIG, lora_targets=("qkv",))
+    with pytest.raises(ValueError, match="lora_targets"):
+        dataclasses.replace(CONFIG, lora_targets=())
+    with pytest.raises(ValueError, match="lora_alpha"):
+        dataclasses.replace(CONFIG, lora_alpha=0.0)
+
+
+# The train step ---------------------------------------------------------------------------------------------------
+
+
+def build_step(mesh_sizes=(1, 1, 1), rules="dp", grad_accum=1, params_spec=None):
+    devices = jax.devices()[:1] if mesh_sizes == (1, 1, 1) else None
+    mesh = make_mesh(*mesh_sizes, devices=devices)
+    optimizer, schedule = make_optimizer(1e-2, warmup_steps=1, total_steps=10, weight_decay=0.01)
+    return make_algorithm_train_step(
+        ALGORITHMS["grpo"],
+        optimizer,
+        mesh,
+        RULES[rules],
+        config=CONFIG,
+        hyperparameters={"kl_coef": 0.05},
+        grad_accum=grad_accum,
+        logprob_chunk_size=8,
+        learning_rate_fn=schedule,
+        compiler_options=FAST_COMPILE,
+        params_spec=params_spec,
+    )
+
+
+def train(step, steps=4):
+    state = step.init_state(jax.tree.map(np.asarray, init_params(CONFIG, jax.random.key(0))))
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, step.place_batch(make_batch("grpo", seed=i % 2)))
+        losses.append(float(compute_metrics(metrics)["train/loss"]))
+    return state, losses
+
+
+def test_only_the_adapters_train_and_the_base_keeps_its_arrays():
+    step = build_step()
+    state = step.init_state(jax.tree.map(np.asarray, init_params(CONFIG, jax.random.key(0))))
+    initial = jax.tree.map(np.asarray, state.params)
+    base_before = jax.tree.leaves(lora.base_params(state.params))
+    # The optimizer state holds adapter leaves alone: Adam's two moments of each, plus scalar counters.
+    moments = [p for p, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0] if leaf.ndim > 0]
+    assert moments and all(lora.is_adapter_path(p) for p in moments)
+    assert len(moments) == 2 * 2 * len(ALL)
+    for i in range(3):
+        state, _ = step(state, step.place_batch(make_batch("grpo", seed=i)))
+    base_after = jax.tree.leaves(lora.base_params(state.params))
+    # The very same arrays (frozen params are a separate, undonated argument of the step): a view of them, such as
+    # the reference model, stays valid.
+    assert all(a is b for a, b in zip(base_before, base_after, strict=True))
+    assert not any(a.is_deleted() for a in base_before)
+    final = jax.tree.map(np.asarray, state.params)
+    for (path, old), new in zip(jax.tree_util.tree_flatten_with_path(initial)[0], jax.tree.leaves(final), strict=True):
+        if lora.is_adapter_path(path):
+            assert not np.array_equal(old, new), jax.tree_util.keystr(path)
+        else:
+            np.testing.assert_array_equal(old, new)
+    assert step.trace_count == 1
+
+
+def test_adapter_training_lowers_the_loss_on_a_repeated_batch():
+    _, losses = train(build_step(), steps=6)
+    assert losses[-1] < losses[1] - 0.05, losses
+
+
+def test_sharded_and_accumulated_adapter_steps_equal_one_device():
+    # 8 fake CPU devices, adapters sharded like their kernels (the rank axis replicated); 2 micro-batches.
+    single, _ = train(build_step(), steps=3)
+    sharded, _ = train(build_step((1, 4, 2), "fsdp_tp", grad_accum=2), steps=3)
+    for a, b in zip(
+        jax.tree.leaves(lora.adapters_of(sharded.params)), jax.tree.leaves(lora.adapters_of(single.params))
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+def test_master_dtype_widens_only_the_adapters():
+    config = dataclasses.replace(CONFIG, param_dtype="bfloat16", compute_dtype="bfloat16")
+    spec = ParamsSpec.of_model(config).with_master_dtype("float32")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(spec.shape)[0]:
+        want = jnp.float32 if lora.is_adapter_path(path) else jnp.bfloat16
+        assert leaf.dtype == want, jax.tree_util.keystr(path)
+
+
+# PEFT folders -----------------------------------------------------------------------------------------------------
+
+
+def test_peft_folder_round_trip_is_exact(tmp_path):
+    params = trained_adapters(init_params(CONFIG, jax.random.key(0)))
+    folder = export_peft(params, CONFIG, str(tmp_path / "adapter"))
+    assert read_adapter_config(folder) == {"lora_rank": 4, "lora_alpha": 8.0, "lora_targets": ALL}
+    loaded = load_peft_adapters(folder, CONFIG)
+    want = jax.tree.map(np.asarray, lora.adapters_of(params))
+    assert jax.tree.structure(loaded) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_rslora": True}, "use_rslora"),
+        ({"peft_type": "IA3"}, "peft_type"),
+        ({"target_modules": ["qkv_proj"]}, "target_modules"),
+        ({"r": 0}, "'r'|r=0"),
+        ({"bias": "all"}, "bias"),
+    ],
+)
+def test_unsupported_peft_configs_are_refused_with_the_file_named(tmp_path, change, message):
+    folder = export_peft(init_params(CONFIG, jax.random.key(0)), CONFIG, str(tmp_path / "adapter"))
+    path = os.path.join(folder, "adapter_config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    raw.update(change)
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(InputError, match=message) as error:
+        read_adapter_config(folder)
+    assert path in str(error.value)
+
+
+def test_a_peft_folder_missing_a_tensor_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = export_peft(init_params(CONFIG, jax.random.key(0)), CONFIG, str(tmp_path / "adapter"))
+    path = os.path.join(folder, "adapter_model.safetensors")
+    tensors = load_file(path)
+    del tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"]
+    save_file(tensors, path)
+    with pytest.raises(InputError, match="layers.1.mlp.down_proj.lora_B.weight is missing"):
+        load_peft_adapters(folder, CONFIG)
+
+
+def test_peft_loads_our_adapter_onto_transformers_with_the_same_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from feynrl_jax.checkpoints import export_hf
+
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=False)
+    params = trained_adapters(init_params(config, jax.random.key(0)), scale=0.2)
+    export_hf(lora.base_params(params), config.without_lora(), tmp_path / "base")
+    export_peft(params, config, str(tmp_path / "adapter"), base_model=str(tmp_path / "base"))
+    export_hf(params, config, tmp_path / "merged")  # LoRA params are written merged
+
+    tokens, positions = tokens_and_positions()
+    ours = model_logits(params, config)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(np.array(tokens), dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=TOL, rtol=0)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = merged(torch.as_tensor(np.array(tokens), dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=TOL, rtol=0)
+
+
+# Config ----------------------------------------------------------------------------------------------------------
+
+
+def test_lora_config_keys_are_validated_and_vllm_is_refused():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+    import tiny_rl
+
+    from feynrl_jax.config.errors import ConfigError
+
+    config = tiny_rl.get_config("grpo")
+    config.model.lora.rank = 4
+    config.model.lora.targets = ("q_proj", "qkv")
+    config.model.lora.alpha = -1.0
+    with pytest.raises(ConfigError) as error:
+        validation.validate(config, num_devices=1)
+    text = str(error.value)
+    assert "model.lora.targets" in text and "model.lora.alpha" in text
+    config = tiny_rl.get_config("grpo")
+    config.model.lora.rank = 4
+    config.rollout.engine = "vllm"
+    with pytest.raises(ConfigError, match="model.lora.rank"):
+        validation.validate(config, num_devices=1)
+
+
+def test_the_run_model_config_takes_the_lora_keys(tmp_path):
+    from feynrl_jax.config.base import base_config
+    from feynrl_jax.train import run_setup
+
+    model = base_config().model
+    model.lora.rank, model.lora.alpha, model.lora.targets = 8, 4.0, ("q_proj", "down_proj")
+    fields = run_setup.lora_fields(model.lora)
+    assert fields == {"lora_rank": 8, "lora_alpha": 4.0, "lora_targets": ("q_proj", "down_proj")}
+    folder = export_peft(init_params(CONFIG, jax.random.key(0)), CONFIG, str(tmp_path / "adapter"))
+    model.lora.init_from = folder
+    with pytest.raises(InputError, match="config.model.lora.rank=8 but the PEFT adapter"):
+        run_setup.lora_fields(model.lora)
+
+
+# Runs ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    from feynrl_jax.data.toy_tokenizer import build_toy_tokenizer
+
+    root = tmp_path_factory.mktemp("lora")
+    sft, dpo = [], []
+    for i in range(48):
+        a, b = i % 7 + 1, (i * 3) % 5 + 1
+        sft.append({"prompt": f"What is {a} plus {b}?", "response": f"#### {a + b}", "answer": str(a + b)})
+        dpo.append(
+            {"prompt": f"What is {a} plus {b}?", "chosen": f"It is {a + b}.", "rejected": f"It is {a + b + 1}!!"}
+        )
+    for name, rows in (("sft", sft), ("dpo", dpo)):
+        for split, part in (("train", rows[8:]), ("test", rows[:8])):
+            with open(root / f"{name}_{split}.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in part)
+    texts = [r["prompt"] + " " + r["response"] for r in sft] + [r["chosen"] + " " + r["rejected"] for r in dpo]
+    build_toy_tokenizer(texts, vocab_size=280).save_pretrained(root / "tokenizer")
+    return root
+
+
+def tiny_run_config(root, paradigm: str, run_dir, steps: int = 6):
+    from feynrl_jax.config.base import add_data_source, base_config, data_source
+
+    config = base_config()
+    config.paradigm = paradigm
+    config.run_dir = str(run_dir)
+    config.seed = 3
+    config.model.random_init = True
+    config.model.tokenizer = str(root / "tokenizer")
+    arch = config.model.arch
+    arch.vocab_size, arch.hidden_size, arch.intermediate_size = 288, 32, 64
+    arch.num_heads, arch.num_kv_heads, arch.head_dim = 4, 2, 8
+    config.model.lora.rank, config.model.lora.alpha = 4, 8.0
+    add_data_source(config, "toy", data_source("jsonl", path=str(root / f"{paradigm}_train.jsonl")))
+    add_data_source(config, "toy_test", data_source("jsonl", path=str(root / f"{paradigm}_test.jsonl"), split="test"))
+    config.data.max_seq_len = 48
+    config.data.max_prompt_len = 32
+    config.algo.name = paradigm
+    config.algo.reference = "initial" if paradigm == "dpo" else "none"
+    config.optim.lr = 1e-2
+    config.optim.schedule = "constant"
+    config.train.steps = steps
+    config.train.global_batch_size = 8
+    config.checkpoint.every_steps = 3
+    config.tracking.progress_bar = False
+    config.eval.during_training = paradigm == "dpo"
+    config.eval.reward = ""
+    config.eval.num_prompts = 8
+    return config
+
+
+def _losses(run_dir):
+    from feynrl_jax.tracking import read_metrics
+
+    return [r["train/loss"] for r in read_metrics(str(run_dir)) if "train/loss" in r]
+
+
+def _checkpoint_params(run_dir):
+    from feynrl_jax.checkpoints.train_state import TrainCheckpointer
+
+    with TrainCheckpointer(str(run_dir), save_every=1, keep=1, read_only=True) as checkpointer:
+        return checkpointer.restore_state_unsharded(checkpointer.latest_step())["params"]
+
+
+@pytest.mark.slow
+def test_sft_with_lora_trains_only_adapters_resumes_exactly_and_exports(data_root, tmp_path):
+    from feynrl_jax.train import sft_loop
+    from feynrl_jax.train.export import ADAPTER_FOLDER, export_run
+
+    straight = tiny_run_config(data_root, "sft", tmp_path / "straight")
+    sft_loop.run(straight)
+    first = tiny_run_config(data_root, "sft", tmp_path / "resumed", steps=3)
+    sft_loop.run(first)
+    again = tiny_run_config(data_root, "sft", tmp_path / "resumed")
+    again.checkpoint.resume = True
+    sft_loop.run(again)
+    losses = _losses(tmp_path / "straight")
+    assert losses == _losses(tmp_path / "resumed")  # exact resume, bitwise on CPU
+    assert losses[-1] < losses[0]
+    params = _checkpoint_params(tmp_path / "straight")
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_checkpoint_params(tmp_path / "resumed")), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The base never moved: it is the random init of the same seed without adapters.
+    config = ModelConfig(
+        vocab_size=288,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    initial = init_params(config, jax.random.key(3))
+    for a, b in zip(jax.tree.leaves(lora.base_params(params)), jax.tree.leaves(initial), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.abs(params["layers"]["q_proj"]["lora_b"]).max() > 0
+
+    out = export_run(tmp_path / "straight", tmp_path / "export")
+    assert read_adapter_config(os.path.join(out, ADAPTER_FOLDER))["lora_rank"] == 4
+    # Continuing from the exported PEFT adapter starts where the run ended: its first loss is below a fresh one's.
+    cont = tiny_run_config(data_root, "sft", tmp_path / "continued", steps=1)
+    cont.model.lora.init_from = os.path.join(out, ADAPTER_FOLDER)
+    sft_loop.run(cont)
+    fresh = tiny_run_config(data_root, "sft", tmp_path / "fresh", steps=1)
+    sft_loop.run(fresh)
+    assert _losses(tmp_path / "continued")[0] < _losses(tmp_path / "fresh")[0] - 0.1
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_starts_at_log_2_against_the_base_and_learns(data_root, tmp_path):
+    from feynrl_jax.tracking import read_metrics
+    from feynrl_jax.train import dpo_loop
+
+    config = tiny_run_config(data_root, "dpo", tmp_path / "dpo")
+    config.train.eval_every = 6
+    dpo_loop.run(config)
+    losses = _losses(tmp_path / "dpo")
+    # Fresh adapters (B = 0) make the policy equal to its reference, the base with adapters off: -log sigmoid(0).
+    np.testing.assert_allclose(losses[0], np.log(2.0), rtol=1e-6)
+    assert losses[-1] < losses[0]
+    evals = {r["step"]: r for r in read_metrics(str(tmp_path / "dpo")) if "eval/reward_margin" in r}
+    assert evals[0]["eval/reward_margin"] == 0.0 and evals[6]["eval/reward_margin"] > 0
