@@ -214,9 +214,10 @@ def test_sharded_and_accumulated_adapter_steps_equal_one_device():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
 
 
-def test_master_dtype_widens_only_the_adapters():
+@pytest.mark.parametrize("master_dtype", [None, "float32"])
+def test_adapters_are_float32_and_a_bf16_base_stays_bf16(master_dtype):
     config = dataclasses.replace(CONFIG, param_dtype="bfloat16", compute_dtype="bfloat16")
-    spec = ParamsSpec.of_model(config).with_master_dtype("float32")
+    spec = ParamsSpec.of_model(config).with_master_dtype(master_dtype)
     for path, leaf in jax.tree_util.tree_flatten_with_path(spec.shape)[0]:
         want = jnp.float32 if lora.is_adapter_path(path) else jnp.bfloat16
         assert leaf.dtype == want, jax.tree_util.keystr(path)
@@ -244,6 +245,8 @@ def test_peft_folder_round_trip_is_exact(tmp_path):
         ({"target_modules": ["qkv_proj"]}, "target_modules"),
         ({"r": 0}, "'r'|r=0"),
         ({"bias": "all"}, "bias"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights"),
+        ({"layers_to_transform": [0]}, "layers_to_transform"),
     ],
 )
 def test_unsupported_peft_configs_are_refused_with_the_file_named(tmp_path, change, message):
@@ -328,10 +331,10 @@ def test_the_run_model_config_takes_the_lora_keys(tmp_path):
     model.lora.rank, model.lora.alpha, model.lora.targets = 8, 4.0, ("q_proj", "down_proj")
     fields = run_setup.lora_fields(model.lora)
     assert fields == {"lora_rank": 8, "lora_alpha": 4.0, "lora_targets": ("q_proj", "down_proj")}
+    # A PEFT adapter of another rank is refused when a run starts from it, naming the key.
     folder = export_peft(init_params(CONFIG, jax.random.key(0)), CONFIG, str(tmp_path / "adapter"))
-    model.lora.init_from = folder
     with pytest.raises(InputError, match="config.model.lora.rank=8 but the PEFT adapter"):
-        run_setup.lora_fields(model.lora)
+        load_peft_adapters(folder, dataclasses.replace(CONFIG, **fields))
 
 
 # Runs ------------------------------------------------------------------------------------------------------------
@@ -461,3 +464,18 @@ def test_dpo_with_lora_starts_at_log_2_against_the_base_and_learns(data_root, tm
     assert losses[-1] < losses[0]
     evals = {r["step"]: r for r in read_metrics(str(tmp_path / "dpo")) if "eval/reward_margin" in r}
     assert evals[0]["eval/reward_margin"] == 0.0 and evals[6]["eval/reward_margin"] > 0
+
+
+def test_the_initial_reference_is_the_starting_policy_without_a_copy_of_the_base(tmp_path):
+    from feynrl_jax.train import run_setup
+
+    params = trained_adapters(init_params(CONFIG, jax.random.key(0)))
+    reference = run_setup.lora_reference(params, CONFIG, lora_init_from=None)
+    assert all(a is b for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(lora.base_params(params))))
+    # Started from a PEFT adapter: the base (same arrays) plus that adapter, read from its folder.
+    folder = export_peft(params, CONFIG, str(tmp_path / "adapter"))
+    fresh = init_params(CONFIG, jax.random.key(0))
+    reference = run_setup.lora_reference(fresh, CONFIG, lora_init_from=folder)
+    base_leaves = jax.tree.leaves(lora.base_params(fresh))
+    assert all(any(a is b for b in base_leaves) for a in jax.tree.leaves(lora.base_params(reference)))
+    np.testing.assert_allclose(model_logits(reference, CONFIG), model_logits(params, CONFIG), atol=0, rtol=0)

@@ -225,7 +225,9 @@ def export_hf(
     if model_config.lora_rank:  # LoRA adapters folded into their kernels: a plain model of the base's shape
         from feynrl_jax.models import lora
 
-        params = None if params is None else lora.merge(params, model_config)
+        if params is not None:  # on the host's CPU, like the rest of the export
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                params = lora.merge(params, model_config)
         model_config = model_config.without_lora()
     out_dir = os.path.abspath(os.fspath(out_dir))
     parent = os.path.dirname(out_dir)

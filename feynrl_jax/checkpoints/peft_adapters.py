@@ -66,11 +66,18 @@ def read_adapter_config(folder: str) -> dict[str, Any]:
         "modules_to_save": None,
         "rank_pattern": {},
         "alpha_pattern": {},
+        "layers_to_transform": None,
+        "layers_pattern": None,
     }
     for key, plain in unsupported.items():
         value = raw.get(key, plain)
         if value != plain and (plain == "none" or value):  # unset, null, false and empty mean "not used"
             raise InputError(f"{path}: {key}={raw[key]!r} is not supported (plain LoRA only: {key}={plain!r})")
+    if raw.get("init_lora_weights", True) not in (True, False, "gaussian"):  # PiSSA, OLoRA, LoftQ...: another base
+        raise InputError(
+            f"{path}: init_lora_weights={raw['init_lora_weights']!r} is not supported: such an adapter is relative to "
+            "a modified base model (plain LoRA only)"
+        )
     targets = raw.get("target_modules")
     if isinstance(targets, str) or not targets:
         raise InputError(f"{path}: target_modules={targets!r}; a list of projection names is needed")
@@ -161,9 +168,16 @@ def load_peft_adapters(folder: str, config: ModelConfig) -> dict:
     from safetensors.numpy import load_file
 
     found = read_adapter_config(folder)
-    mine = {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha}
-    if any(found[k] != v for k, v in mine.items()) or set(found["lora_targets"]) != set(config.lora_targets):
-        raise InputError(f"{folder}: the adapter ({found}) is not the one the run's config describes ({mine})")
+    keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
+    for field, key in keys.items():
+        want, got = getattr(config, field), found[field]
+        if field == "lora_targets":
+            want, got = tuple(sorted(want)), tuple(sorted(got))
+        if want != got:
+            raise InputError(
+                f"config.model.lora.{key}={getattr(config, field)!r} but the PEFT adapter in {folder} has {got!r} "
+                f"(model.lora.init_from): set config.model.lora.{key} to the adapter's"
+            )
     path = os.path.join(folder, ADAPTER_WEIGHTS)
     try:
         tensors = load_file(path)

@@ -239,8 +239,6 @@ def _check_lora(lora, bad):
     unknown = sorted(set(targets) - set(LORA_TARGETS))
     if unknown or not targets:
         bad("model.lora.targets", f"model.lora.targets={targets!r} must be a non-empty subset of {LORA_TARGETS}.")
-    if lora.init_from and not os.path.isfile(os.path.join(lora.init_from, "adapter_config.json")):
-        bad("model.lora.init_from", f"model.lora.init_from={lora.init_from!r} holds no adapter_config.json (PEFT).")
 
 
 def _check_data(config, bad):

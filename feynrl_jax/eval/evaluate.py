@@ -446,7 +446,13 @@ def _evaluate(config: Any) -> dict[str, float]:
     source = run_setup.resolve_model_source(config.model, run_dir)
     tokenizer = run_setup.load_run_tokenizer(source)
     model_config = run_setup.model_config(config.model, source, tokenizer)
-    params = run_setup.load_params(model_config, source, seed=config.seed)
+    params = run_setup.load_params(
+        model_config, source, seed=config.seed, lora_init_from=config.model.lora.init_from or None
+    )
+    if model_config.lora_rank:  # a PEFT adapter on the base: evaluated merged, at the base model's speed
+        from feynrl_jax.models import lora
+
+        params, model_config = lora.merge(params, model_config), model_config.without_lora()
     evaluator = evaluator_from_config(config, model_config, params, tokenizer)
     try:
         metrics = evaluator(params, 0)

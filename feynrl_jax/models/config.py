@@ -157,7 +157,7 @@ class ModelConfig:
 
     def without_lora(self) -> ModelConfig:
         """This config without adapters: the base model (the reference, the merged export, the rollout engine)."""
-        return dataclasses.replace(self, lora_rank=0, lora_targets=())
+        return dataclasses.replace(self, lora_rank=0, lora_alpha=ModelConfig.lora_alpha, lora_targets=())
 
     @property
     def num_params(self) -> int:

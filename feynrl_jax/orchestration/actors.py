@@ -490,7 +490,8 @@ class TrainerActor:
         if self.lora_sync:
             base = self.trainer.host_base()  # a collective with several trainer processes
             if not self.process_id:
-                publish_base(self.store, base, timeout_s=self.store_timeout_s)
+                figures = publish_base(self.store, base, timeout_s=self.store_timeout_s)
+                log.info("published the frozen LoRA base once: %d bytes", figures["perf/publish_base_bytes"])
         self._publish(restored.policy_version)
         return dataclasses.asdict(restored)
 

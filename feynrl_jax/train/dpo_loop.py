@@ -78,12 +78,12 @@ class ReferenceTable:
 
 def _reference_params(config: ConfigDict, context: RunContext) -> Any:
     reference = config.algo.reference
-    if reference == "initial":  # with LoRA: the base with the adapters off, the state's own frozen arrays
-        return context.initial_params() if context.lora_base is None else context.lora_base
+    if reference == "initial":  # with LoRA: the starting policy over the state's own frozen base arrays
+        return context.initial_params() if context.lora_reference is None else context.lora_reference
     if reference == "none":
         raise ValueError("DPO needs a reference model: set config.algo.reference to 'initial' or a model folder")
     shardings = context.train_step.state_shardings.params
-    if context.lora_base is not None:
+    if context.lora_reference is not None:
         shardings = lora.base_params(shardings)
     params, _ = load_hf(reference, config=context.model_config.without_lora(), shardings=shardings)
     return params
@@ -179,9 +179,10 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
     pairs = config.train.global_batch_size
     micro_pairs = config.train.micro_batch_size or pairs
     logprob_fn = make_logprob_fn(context.model_config, step.mesh, context.rules, chunk_rows=2 * micro_pairs)
-    # The reference is a model without adapters (a LoRA policy's base, or another folder): its own program.
+    reference = _reference_params(config, context)
+    # A reference without adapters (a LoRA policy's base, another model folder) runs the base model's program.
     reference_fn = logprob_fn
-    if context.model_config.lora_rank:
+    if context.model_config.lora_rank and not lora.adapters_of(reference):
         reference_fn = make_logprob_fn(
             context.model_config.without_lora(), step.mesh, context.rules, chunk_rows=2 * micro_pairs
         )
@@ -192,7 +193,6 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
         batch_size=pairs,
         response_template=config.data.response_template,
     )
-    reference = _reference_params(config, context)
 
     def placed(batch: TokenBatch) -> TrainBatch:
         return place(step, sft_train_batch(batch))

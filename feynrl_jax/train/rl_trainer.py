@@ -557,10 +557,15 @@ class RLTrainer:
         return Restored(progress.step, progress.policy_version, rng, progress.data_state)
 
     def _reference_from_base(self) -> None:
-        """With LoRA and `algo.reference="initial"`, the reference is the policy with its adapters off: the train
-        state's frozen base arrays themselves (never donated, never changed), not a copy."""
+        """With LoRA and `algo.reference="initial"`, the reference is the starting policy over the train state's own
+        frozen base arrays (never donated, never changed), not a copy (`run_setup.lora_reference`)."""
         if self.settings.uses_reference and self.model_config.lora_rank and self.settings.reference == "initial":
-            self.reference = lora.base_params(self.state.params)
+            self.reference = run_setup.lora_reference(
+                self.state.params,
+                self.model_config,
+                lora_init_from=self.config.model.lora.init_from or None,
+                shardings=self.train_step.state_shardings.params,
+            )
 
     def host_base(self) -> dict[str, Any]:
         """The frozen base params of a LoRA policy in `model.param_dtype` on host (published once per run); with
@@ -614,7 +619,9 @@ class RLTrainer:
         )
 
     def _reference_pass(self, *inputs: jax.Array) -> jax.Array:
-        return self.reference_logprobs(self.reference, *inputs)[0]
+        # A reference with adapters (a LoRA run started from a PEFT adapter) runs the policy's program.
+        program = self.logprobs if lora.adapters_of(self.reference) else self.reference_logprobs
+        return program(self.reference, *inputs)[0]
 
     def update(self, batch: TrainBatch, *, shuffle_seed: int, step: int) -> dict[str, float]:
         """`ppo_epochs` passes of `mini_batches` shuffled updates over `batch` (and the critic's, for PPO).

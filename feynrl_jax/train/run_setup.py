@@ -149,29 +149,39 @@ def model_config(model_cfg: ConfigDict, source: ModelSource, tokenizer: Any) -> 
 
 
 def lora_fields(lora_cfg: ConfigDict) -> dict[str, Any]:
-    """`ModelConfig`'s LoRA fields from `config.model.lora` (none when `rank` is 0).
-
-    Raises:
-        InputError: `init_from` names a PEFT adapter whose r, lora_alpha or target modules differ from
-            `model.lora.rank`, `alpha` or `targets` (names the folder and both values).
-    """
+    """`ModelConfig`'s LoRA fields from `config.model.lora` (none when `rank` is 0). A `model.lora.init_from` folder
+    is read only when a run starts from it (`load_params`), so a resumed run or an export does not need it."""
     if not lora_cfg.rank:
         return {}
-    fields = dict(lora_rank=int(lora_cfg.rank), lora_alpha=float(lora_cfg.alpha), lora_targets=tuple(lora_cfg.targets))
-    if lora_cfg.init_from:
-        from feynrl_jax.checkpoints.peft_adapters import read_adapter_config
+    return dict(lora_rank=int(lora_cfg.rank), lora_alpha=float(lora_cfg.alpha), lora_targets=tuple(lora_cfg.targets))
 
-        found = read_adapter_config(lora_cfg.init_from)
-        keys = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_targets": "targets"}
-        for field, key in keys.items():
-            want = tuple(sorted(fields[field])) if field == "lora_targets" else fields[field]
-            got = tuple(sorted(found[field])) if field == "lora_targets" else found[field]
-            if want != got:
-                raise InputError(
-                    f"config.model.lora.{key}={fields[field]!r} but the PEFT adapter in {lora_cfg.init_from} has "
-                    f"{got!r}: set config.model.lora.{key} to the adapter's"
-                )
-    return fields
+
+def lora_reference(params: Any, config: ModelConfig, *, lora_init_from: str | None, shardings: Any = None) -> Any:
+    """The starting policy of a LoRA run as a reference model (`algo.reference="initial"`), without a copy of the base.
+
+    Fresh adapters start at zero, so the starting policy is the base: `lora.base_params(params)`, the train state's
+    own frozen arrays. A run that started from a PEFT adapter (`model.lora.init_from`) started from the base plus
+    those adapters: they are read again from that folder (a few MB), so the reference stays the starting policy
+    after a resume too.
+
+    Args:
+        params: the train state's params (base and adapters).
+        config: the model config.
+        lora_init_from: the `model.lora.init_from` folder, or None.
+        shardings: the params' shardings (the adapters are placed like the state's).
+
+    Raises:
+        InputError: the `init_from` folder cannot be read or does not fit the config (names the file).
+    """
+    base = lora.base_params(params)
+    if not lora_init_from:
+        return base
+    from feynrl_jax.checkpoints.peft_adapters import load_peft_adapters
+
+    adapters = load_peft_adapters(lora_init_from, config)
+    if shardings is not None:
+        adapters = place_tree(adapters, lora.adapters_of(shardings))
+    return lora.combine(base, adapters)
 
 
 def load_params(

@@ -38,7 +38,7 @@ from feynrl_jax.config.validation import validate
 from feynrl_jax.data.packing import TokenBatch
 from feynrl_jax.losses import ALGORITHMS, TrainBatch
 from feynrl_jax.losses.metrics import combine_updates
-from feynrl_jax.models import ModelConfig, lora
+from feynrl_jax.models import ModelConfig
 from feynrl_jax.tracking import Tracker
 from feynrl_jax.train import run_setup
 from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
@@ -60,8 +60,10 @@ class RunContext:
         rules: the logical-axis rules table the params are sharded by.
         initial_params: returns the run's initial params (loaded or initialised), placed like the state's
             params; called only by tasks that need them (DPO's reference), or to start a fresh run.
-        lora_base: with LoRA adapters, the base model's params: the train state's frozen arrays themselves (no
-            copy; they never change and are never donated), the reference model of a LoRA run. None otherwise.
+        lora_reference: with LoRA adapters, the starting policy as a reference model
+            (`run_setup.lora_reference`): the train state's frozen base arrays themselves (no copy; they never
+            change and are never donated), plus the `model.lora.init_from` adapters when the run started from some.
+            None without LoRA.
     """
 
     run_dir: str
@@ -71,7 +73,7 @@ class RunContext:
     train_step: TrainStep
     rules: Any
     initial_params: Callable[[], Any]
-    lora_base: Any = None
+    lora_reference: Any = None
 
 
 @dataclasses.dataclass
@@ -171,15 +173,32 @@ def run_supervised(
                 f"run folder {run_dir} already holds checkpoints (latest step {latest}) and checkpoint.resume is "
                 "False; pass --resume to continue it or choose another config.run_dir"
             )
-        progress = None
-        if latest is None:
-            state = train_step.init_state(initial_params())
+
+        def build_state() -> tuple[Any, Any]:
+            if latest is None:
+                return train_step.init_state(initial_params()), None
+            restored, progress = checkpointer.restore(train_step.abstract_state)
+            check_restored_state(restored, os.path.join(checkpointer.directory, str(progress.step)))
+            return restored, progress
+
+        if model_config.lora_rank:
+            # The reference of a LoRA run comes from the state's own base arrays: the state first.
+            state, progress = build_state()
+            lora_reference = run_setup.lora_reference(
+                state.params,
+                model_config,
+                lora_init_from=config.model.lora.init_from or None,
+                shardings=train_step.state_shardings.params,
+            )
+            context = RunContext(
+                run_dir, source, tokenizer, model_config, train_step, rules, initial_params, lora_reference
+            )
+            task = make_task(config, context)
         else:
-            state, progress = checkpointer.restore(train_step.abstract_state)
-            check_restored_state(state, os.path.join(checkpointer.directory, str(progress.step)))
-        lora_base = lora.base_params(state.params) if model_config.lora_rank else None
-        context = RunContext(run_dir, source, tokenizer, model_config, train_step, rules, initial_params, lora_base)
-        task = make_task(config, context)
+            # The task first: a precomputed DPO reference is freed before the state (params and optimizer) exists.
+            context = RunContext(run_dir, source, tokenizer, model_config, train_step, rules, initial_params)
+            task = make_task(config, context)
+            state, progress = build_state()
         stack.callback(task.close)
         if progress is None:
             rng = jax.random.key(config.seed)
