@@ -153,3 +153,58 @@ def test_eval_reward_kwargs_reach_the_evaluators_reward(toy, tmp_path):
             evaluator.close()
         scores[fallback] = float(rewards[0])
     assert scores == {False: 0.0, True: 1.0}
+
+
+def test_eval_command_evaluates_a_peft_adapter_on_its_base(toy, tmp_path):
+    """`model.lora.init_from` in `feynrl-jax eval`: the base with that adapter (merged), not the bare base."""
+    from feynrl_jax.checkpoints.peft_adapters import export_peft
+    from feynrl_jax.models import lora
+
+    root = toy[0]
+
+    def eval_config(name):
+        config = base_config()
+        config.paradigm = "eval"
+        config.run_dir = str(tmp_path / name)
+        config.seed = 0
+        config.model.random_init = True
+        config.model.tokenizer = str(root / "tokenizer")
+        arch = config.model.arch
+        arch.vocab_size, arch.hidden_size, arch.intermediate_size = 288, 32, 64
+        arch.num_heads, arch.num_kv_heads, arch.head_dim = 4, 2, 8
+        add_data_source(config, "toy_test", data_source("jsonl", path=str(root / "test.jsonl"), split="test"))
+        config.data.max_prompt_len = 40
+        config.data.max_seq_len = 48
+        config.eval.reward = "test_eval_evaluate:even_length_reward"
+        config.eval.n_samples, config.eval.k, config.eval.temperature = 1, (1,), 0.0
+        config.eval.max_new_tokens = 6
+        config.eval.num_prompts = 8
+        config.rollout.max_slots = 4
+        return config
+
+    def completions(name):
+        with open(tmp_path / name / evaluate_lib.RESULTS_FILE) as f:
+            return [s["completion"] for s in json.load(f)["samples"]]
+
+    evaluate_lib.run(eval_config("base"))
+    adapted = eval_config("adapted")
+    adapted.model.lora.rank, adapted.model.lora.alpha = 4, 8.0
+    model_config = ModelConfig(
+        vocab_size=288,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_targets=tuple(adapted.model.lora.targets),
+    )
+    params = init_params(model_config, jax.random.key(1))
+    strong = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.random.normal(jax.random.key(2), x.shape) if lora.is_adapter_path(path) else x, params
+    )
+    adapted.model.lora.init_from = export_peft(strong, model_config, str(tmp_path / "adapter"))
+    evaluate_lib.run(adapted)
+    assert completions("adapted") != completions("base")  # an ignored adapter would leave the base's greedy answers
