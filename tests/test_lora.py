@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 
 import jax
@@ -448,6 +449,11 @@ def test_sft_with_lora_trains_only_adapters_resumes_exactly_and_exports(data_roo
     fresh = tiny_run_config(data_root, "sft", tmp_path / "fresh", steps=1)
     sft_loop.run(fresh)
     assert _losses(tmp_path / "continued")[0] < _losses(tmp_path / "fresh")[0] - 0.1
+    # Resuming needs the checkpoint alone: the init_from folder may be gone by then.
+    shutil.rmtree(os.path.join(out, ADAPTER_FOLDER))
+    cont.train.steps, cont.checkpoint.resume = 2, True
+    sft_loop.run(cont)
+    assert len(_losses(tmp_path / "continued")) == 2
 
 
 @pytest.mark.slow

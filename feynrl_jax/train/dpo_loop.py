@@ -79,7 +79,7 @@ class ReferenceTable:
 def _reference_params(config: ConfigDict, context: RunContext) -> Any:
     reference = config.algo.reference
     if reference == "initial":  # with LoRA: the starting policy over the state's own frozen base arrays
-        return context.initial_params() if context.lora_reference is None else context.lora_reference
+        return context.initial_params() if context.lora_reference is None else context.lora_reference()
     if reference == "none":
         raise ValueError("DPO needs a reference model: set config.algo.reference to 'initial' or a model folder")
     shardings = context.train_step.state_shardings.params

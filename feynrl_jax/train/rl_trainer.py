@@ -405,7 +405,8 @@ class RLTrainer:
             chunk_rows=chunk_rows, temperature=settings.temperature, with_entropy=True, first_column=first_column
         )
         self.logprobs = make_logprob_fn(self.model_config, self.mesh, self.rules, **logprob_settings)
-        # The reference has no adapters (a LoRA policy's base, or another model folder): its own program.
+        # A LoRA run's reference has no adapters (its base, or another model folder): the base model's program
+        # (`_reference_from_base` switches to the policy's for a run started from a PEFT adapter).
         self.reference_logprobs = self.logprobs
         if self.model_config.lora_rank:
             self.reference_logprobs = make_logprob_fn(
@@ -560,12 +561,15 @@ class RLTrainer:
         """With LoRA and `algo.reference="initial"`, the reference is the starting policy over the train state's own
         frozen base arrays (never donated, never changed), not a copy (`run_setup.lora_reference`)."""
         if self.settings.uses_reference and self.model_config.lora_rank and self.settings.reference == "initial":
+            init_from = self.config.model.lora.init_from or None
             self.reference = run_setup.lora_reference(
                 self.state.params,
                 self.model_config,
-                lora_init_from=self.config.model.lora.init_from or None,
+                lora_init_from=init_from,
                 shardings=self.train_step.state_shardings.params,
             )
+            if init_from:  # the base plus the starting adapters: the policy's program
+                self.reference_logprobs = self.logprobs
 
     def host_base(self) -> dict[str, Any]:
         """The frozen base params of a LoRA policy in `model.param_dtype` on host (published once per run); with
@@ -619,9 +623,7 @@ class RLTrainer:
         )
 
     def _reference_pass(self, *inputs: jax.Array) -> jax.Array:
-        # A reference with adapters (a LoRA run started from a PEFT adapter) runs the policy's program.
-        program = self.logprobs if lora.adapters_of(self.reference) else self.reference_logprobs
-        return program(self.reference, *inputs)[0]
+        return self.reference_logprobs(self.reference, *inputs)[0]
 
     def update(self, batch: TrainBatch, *, shuffle_seed: int, step: int) -> dict[str, float]:
         """`ppo_epochs` passes of `mini_batches` shuffled updates over `batch` (and the critic's, for PPO).

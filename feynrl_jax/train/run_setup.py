@@ -176,12 +176,16 @@ def lora_reference(params: Any, config: ModelConfig, *, lora_init_from: str | No
     base = lora.base_params(params)
     if not lora_init_from:
         return base
+    adapter_shardings = None if shardings is None else lora.adapters_of(shardings)
+    return lora.combine(base, _peft_adapters(lora_init_from, config, adapter_shardings))
+
+
+def _peft_adapters(folder: str, config: ModelConfig, shardings: Any) -> Any:
+    """The adapters of a PEFT folder, placed at `shardings` (host arrays when None)."""
     from feynrl_jax.checkpoints.peft_adapters import load_peft_adapters
 
-    adapters = load_peft_adapters(lora_init_from, config)
-    if shardings is not None:
-        adapters = place_tree(adapters, lora.adapters_of(shardings))
-    return lora.combine(base, adapters)
+    adapters = load_peft_adapters(folder, config)
+    return adapters if shardings is None else place_tree(adapters, shardings)
 
 
 def load_params(
@@ -202,10 +206,7 @@ def load_params(
         # The base: the weights a run without LoRA would start from (the same random ones for the same seed).
         base = load_params(config.without_lora(), source, seed=seed, shardings=base_shardings)
         if lora_init_from:
-            from feynrl_jax.checkpoints.peft_adapters import load_peft_adapters
-
-            adapters = load_peft_adapters(lora_init_from, config)
-            adapters = adapters if adapter_shardings is None else place_tree(adapters, adapter_shardings)
+            adapters = _peft_adapters(lora_init_from, config, adapter_shardings)
         else:
             init = functools.partial(lora.init_adapters, config)
             key = jax.random.fold_in(jax.random.key(seed), 1)

@@ -60,7 +60,7 @@ class RunContext:
         rules: the logical-axis rules table the params are sharded by.
         initial_params: returns the run's initial params (loaded or initialised), placed like the state's
             params; called only by tasks that need them (DPO's reference), or to start a fresh run.
-        lora_reference: with LoRA adapters, the starting policy as a reference model
+        lora_reference: with LoRA adapters, returns the starting policy as a reference model
             (`run_setup.lora_reference`): the train state's frozen base arrays themselves (no copy; they never
             change and are never donated), plus the `model.lora.init_from` adapters when the run started from some.
             None without LoRA.
@@ -73,7 +73,7 @@ class RunContext:
     train_step: TrainStep
     rules: Any
     initial_params: Callable[[], Any]
-    lora_reference: Any = None
+    lora_reference: Callable[[], Any] | None = None
 
 
 @dataclasses.dataclass
@@ -182,14 +182,18 @@ def run_supervised(
             return restored, progress
 
         if model_config.lora_rank:
-            # The reference of a LoRA run comes from the state's own base arrays: the state first.
+            # The reference of a LoRA run comes from the state's own base arrays: the state first. Built only when a
+            # task asks for it (DPO), so an SFT run never reads a `model.lora.init_from` folder on resume.
             state, progress = build_state()
-            lora_reference = run_setup.lora_reference(
-                state.params,
-                model_config,
-                lora_init_from=config.model.lora.init_from or None,
-                shardings=train_step.state_shardings.params,
-            )
+
+            def lora_reference() -> Any:
+                return run_setup.lora_reference(
+                    state.params,
+                    model_config,
+                    lora_init_from=config.model.lora.init_from or None,
+                    shardings=train_step.state_shardings.params,
+                )
+
             context = RunContext(
                 run_dir, source, tokenizer, model_config, train_step, rules, initial_params, lora_reference
             )
