@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -80,32 +81,87 @@ def is_adapter_path(path: tuple[Any, ...]) -> bool:
     return bool(path) and str(getattr(path[-1], "key", path[-1])) in ADAPTER_LEAVES
 
 
-def split(params: dict) -> tuple[dict, dict]:
-    """`(base, adapters)`: the params without adapter leaves, and the adapter leaves alone (same nesting).
+def partition(tree: Any, keep: Callable[[tuple[Any, ...]], bool]) -> tuple[Any, Any]:
+    """`(rest, kept)`: the leaves of nested dicts whose key path `keep` accepts, and the others, each nested as in
+    `tree` (no copy; containers left empty are dropped). Per-layer params (`unstack_layers`: `layers` a tuple of
+    dicts) split layer by layer. `split` is this for adapter leaves; the train step uses it for
+    `ParamsSpec.trainable`.
 
-    Both share the arrays of `params` (no copy). Dicts left empty are dropped from `adapters`. Per-layer params
-    (`unstack_layers`: `layers` a tuple of dicts) split layer by layer.
+    Raises:
+        TypeError: `tree` is not a dict.
     """
+    if not isinstance(tree, dict):
+        raise TypeError(f"partition needs params of nested dicts, found {type(tree).__name__}")
+    return _partition(tree, keep, ())
 
-    def go(tree: Any) -> tuple[Any, Any]:
-        if isinstance(tree, tuple):
-            parts = [go(layer) for layer in tree]
-            adapters = tuple(a for _, a in parts)
-            return tuple(b for b, _ in parts), (adapters if any(adapters) else None)
-        if not isinstance(tree, dict):
-            return tree, None
-        base, adapters = {}, {}
-        for key, value in tree.items():
-            if key in ADAPTER_LEAVES:
-                adapters[key] = value
-                continue
-            b, a = go(value)
-            base[key] = b
-            if a:
-                adapters[key] = a
-        return base, adapters
 
-    return go(params)
+def _is_container(x: Any) -> bool:
+    """A dict, or a tuple of dicts (per-layer params); a tuple of ints (a shape) is a leaf."""
+    return isinstance(x, dict) or (isinstance(x, tuple) and bool(x) and all(isinstance(t, dict) for t in x))
+
+
+def _partition(tree: Any, keep: Callable[[tuple[Any, ...]], bool], path: tuple[Any, ...]) -> tuple[Any, Any]:
+    if isinstance(tree, tuple):
+        parts = [_partition(t, keep, (*path, jax.tree_util.SequenceKey(i))) for i, t in enumerate(tree)]
+        rest, kept = tuple(r for r, _ in parts), tuple(k for _, k in parts)
+        return (rest if any(rest) else {}), (kept if any(kept) else {})
+    rest, kept = {}, {}
+    for key, value in tree.items():
+        where = (*path, jax.tree_util.DictKey(key))
+        if _is_container(value):
+            r, k = _partition(value, keep, where)
+            if r:
+                rest[key] = r
+            if k:
+                kept[key] = k
+        elif keep(where):
+            kept[key] = value
+        else:
+            rest[key] = value
+    return rest, kept
+
+
+def union(rest: Any, kept: Any, *, fit: bool = False) -> Any:
+    """`partition`'s inverse: the two nested dicts (or tuples of them) merged, `rest` alone when `kept` is empty.
+
+    Args:
+        rest: nested dicts.
+        kept: nested dicts to merge in.
+        fit: every leaf of `kept` must go where `rest` has its container, and replace nothing (adapters that fit
+            their base); otherwise `kept` may bring whole subtrees.
+
+    Raises:
+        ValueError: with `fit`, a leaf of `kept` has no place in `rest` or is in both (names the path).
+    """
+    return _union(rest, kept, fit, "")
+
+
+def _union(rest: Any, kept: Any, fit: bool, where: str) -> Any:
+    if not kept:
+        return rest
+    if not rest and not fit:
+        return kept
+    if isinstance(rest, tuple) and isinstance(kept, tuple) and len(rest) == len(kept):  # per-layer params
+        return tuple(_union(r, k, fit, f"{where}/{i}") for i, (r, k) in enumerate(zip(rest, kept)))
+    if not isinstance(rest, dict) or not isinstance(kept, dict):
+        raise ValueError(f"{where or '/'}: the two trees do not fit")
+    out = dict(rest)
+    for key, value in kept.items():
+        if _is_container(value):
+            if key not in rest and fit:
+                raise ValueError(f"{where}/{key} has no such place in the base params")
+            out[key] = _union(rest.get(key, {}), value, fit, f"{where}/{key}")
+        elif key in rest:
+            raise ValueError(f"{where}/{key} is in both trees")
+        else:
+            out[key] = value
+    return out
+
+
+def split(params: dict) -> tuple[dict, dict]:
+    """`(base, adapters)`: the params without adapter leaves, and the adapter leaves alone (same nesting; arrays
+    shared, no copy)."""
+    return partition(params, is_adapter_path)
 
 
 def base_params(params: dict) -> dict:
@@ -119,30 +175,12 @@ def adapters_of(params: dict) -> dict:
 
 
 def combine(base: dict, adapters: dict) -> dict:
-    """The union of two nested dicts (`split`'s inverse): base params with adapters beside their kernels.
+    """`split`'s inverse: base params with adapters beside their kernels.
 
     Raises:
         ValueError: an adapter's place does not exist in `base`, or a leaf would be replaced.
     """
-
-    def go(b: Any, a: Any, where: str) -> Any:
-        if isinstance(b, tuple) and isinstance(a, tuple) and len(a) == len(b):  # per-layer params
-            return tuple(go(bl, al, f"{where}/{i}") for i, (bl, al) in enumerate(zip(b, a)))
-        if not isinstance(b, dict) or not isinstance(a, dict):
-            raise ValueError(f"adapters at {where or '/'} do not fit the base params")
-        out = dict(b)
-        for key, value in a.items():
-            if key in ADAPTER_LEAVES:
-                if key in b:
-                    raise ValueError(f"{where}/{key} is in both the base params and the adapters")
-                out[key] = value
-            elif key not in b:
-                raise ValueError(f"adapters at {where}/{key} have no such place in the base params")
-            else:
-                out[key] = go(b[key], value, f"{where}/{key}")
-        return out
-
-    return go(base, adapters, "")
+    return union(base, adapters, fit=True)
 
 
 def init_adapters(config: ModelConfig, rng: jax.Array) -> dict:

@@ -120,40 +120,11 @@ class ParamsSpec:
         trains)."""
         if self.trainable is None:
             return {}, tree
-        return _partition(tree, self.trainable, ())
+        return lora.partition(tree, self.trainable)
 
     def trained(self, tree: Any) -> Any:
         """The trained part of a params-shaped tree (``tree`` itself when everything trains)."""
         return self.split(tree)[1]
-
-
-def _partition(tree: Any, keep: Callable[[tuple[Any, ...]], bool], path: tuple[Any, ...]) -> tuple[Any, Any]:
-    if not isinstance(tree, dict):
-        raise TypeError(f"ParamsSpec.trainable needs params of nested dicts, found {type(tree).__name__} at {path}")
-    frozen, trained = {}, {}
-    for key, value in tree.items():
-        where = (*path, jax.tree_util.DictKey(key))
-        if isinstance(value, dict):
-            f, t = _partition(value, keep, where)
-            if f:
-                frozen[key] = f
-            if t:
-                trained[key] = t
-        elif keep(where):
-            trained[key] = value
-        else:
-            frozen[key] = value
-    return frozen, trained
-
-
-def union(frozen: Any, trained: Any) -> Any:
-    """``ParamsSpec.split``'s inverse: the nested dicts merged (``trained`` alone when ``frozen`` is empty)."""
-    if not frozen:
-        return trained
-    out = dict(frozen)
-    for key, value in trained.items():
-        out[key] = union(frozen[key], value) if key in frozen and isinstance(value, dict) else value
-    return out
 
 
 def model_logprob_fn(
@@ -230,7 +201,7 @@ class TrainStep:
         # steps, so a view of them (the reference model, ``lora.base_params(state.params)``) stays valid.
         frozen, trained = self.params_spec.split(state.params)
         new_state, metrics = self._jitted(dataclasses.replace(state, params=trained), frozen, batch)
-        return dataclasses.replace(new_state, params=union(frozen, new_state.params)), metrics
+        return dataclasses.replace(new_state, params=lora.union(frozen, new_state.params)), metrics
 
     @property
     def trace_count(self) -> int:
@@ -334,7 +305,7 @@ def make_train_step(
     traces = [0]
 
     def micro_loss(trained: Any, frozen: Any, micro: TrainBatch) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
-        per_token, entropy = predict(union(frozen, trained), micro)
+        per_token, entropy = predict(lora.union(frozen, trained), micro)
         extra = {} if entropy is None else {"entropy": entropy}
         loss_sum, metrics = loss_fn(per_token.astype(jnp.float32), micro, **extra)
         return loss_sum.total, (loss_sum.denom, metrics)
