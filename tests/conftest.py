@@ -23,3 +23,24 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("default", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory):
+    """A local Ray instance (2 CPUs, the tiny RL config's `ray` settings) for one test module, with a persistent JAX
+    compilation cache shared by the module's actors (their processes compile the same tiny programs)."""
+    import sys
+
+    from feynrl_jax.orchestration.runtime import start_ray, stop_ray
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+    import tiny_rl
+
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    assert start_ray(tiny_rl.get_config().ray)
+    yield
+    stop_ray()

@@ -142,12 +142,76 @@ def test_model_config_rejects_bad_lora_fields():
         dataclasses.replace(CONFIG, lora_targets=())
     with pytest.raises(ValueError, match="lora_alpha"):
         dataclasses.replace(CONFIG, lora_alpha=0.0)
+    with pytest.raises(ValueError, match="lora_dropout"):
+        dataclasses.replace(CONFIG, lora_dropout=-0.1)
+
+
+# LoRA dropout -----------------------------------------------------------------------------------------------------
+
+
+def test_lora_dropout_drops_adapter_inputs_only_and_rescales_the_kept_ones():
+    from feynrl_jax.models.decoder import _dense
+
+    n, rate = 4096, 0.25
+    x = jax.random.normal(jax.random.key(0), (1, 1, n)) + 3.0  # no exact zeros
+    # kernel 0, A = I, B = I: the output is exactly the adapter's (dropped, rescaled) input, times the scale 2.
+    proj = {"kernel": jnp.zeros((n, n)), "lora_a": jnp.eye(n), "lora_b": jnp.eye(n)}
+    out = np.asarray(_dense(x, proj, jnp.float32, 2.0, (jax.random.key(1), rate)))[0, 0]
+    x = np.asarray(x)[0, 0]
+    kept = out != 0
+    np.testing.assert_allclose(out[kept], 2.0 * x[kept] / (1 - rate), rtol=1e-6)
+    # The dropped fraction is Binomial(4096, 0.25)/4096: standard deviation 0.0068, the bound is 5 of them.
+    assert abs((~kept).mean() - rate) < 0.034
+    # The frozen projection sees the input whole: no adapter, no dropout.
+    frozen = {"kernel": jnp.eye(n)}
+    np.testing.assert_array_equal(
+        np.asarray(_dense(x[None, None], frozen, jnp.float32, 2.0, (jax.random.key(1), rate)))[0, 0], x
+    )
+
+
+def test_forward_draws_lora_dropout_only_from_a_given_key():
+    config = dataclasses.replace(CONFIG, lora_dropout=0.5)
+    params = trained_adapters(init_params(config, jax.random.key(0)))
+    tokens, positions = tokens_and_positions()
+
+    def hidden(config, key):
+        return np.asarray(forward(params, tokens, positions, config=config, dropout_rng=key)[0])
+
+    plain = hidden(CONFIG, None)
+    np.testing.assert_array_equal(hidden(config, None), plain)  # evaluation and rollouts: no key, no dropout
+    np.testing.assert_array_equal(hidden(CONFIG, jax.random.key(1)), plain)  # lora_dropout 0: the key is unused
+    dropped = hidden(config, jax.random.key(1))
+    assert np.abs(dropped - plain).max() > 1e-3
+    np.testing.assert_array_equal(hidden(config, jax.random.key(1)), dropped)
+    assert np.abs(hidden(config, jax.random.key(2)) - dropped).max() > 1e-3
+    # Fresh adapters (B = 0) add nothing, dropped or not.
+    fresh = init_params(config, jax.random.key(0))
+    np.testing.assert_array_equal(
+        np.asarray(forward(fresh, tokens, positions, config=config, dropout_rng=jax.random.key(1))[0]),
+        np.asarray(forward(fresh, tokens, positions, config=config)[0]),
+    )
+
+
+def test_the_step_draws_dropout_keys_from_its_seed_and_step_counter():
+    config = dataclasses.replace(CONFIG, lora_dropout=0.5)
+
+    def run(rng_seed, grad_accum=1):
+        step = build_step(grad_accum=grad_accum, config=config, rng_seed=rng_seed)
+        state, losses = train(step, steps=3, config=config)
+        return np.asarray(state.params["layers"]["q_proj"]["lora_a"]), losses
+
+    a, losses = run(7)
+    again, losses_again = run(7)
+    np.testing.assert_array_equal(a, again)  # the keys depend on (seed, step, micro-batch) alone
+    assert losses == losses_again
+    assert np.abs(run(8)[0] - a).max() > 1e-6  # another seed, other masks
+    assert np.abs(run(None)[0] - a).max() > 1e-6  # no seed: no dropout
 
 
 # The train step ---------------------------------------------------------------------------------------------------
 
 
-def build_step(mesh_sizes=(1, 1, 1), rules="dp", grad_accum=1, params_spec=None):
+def build_step(mesh_sizes=(1, 1, 1), rules="dp", grad_accum=1, params_spec=None, config=CONFIG, rng_seed=None):
     devices = jax.devices()[:1] if mesh_sizes == (1, 1, 1) else None
     mesh = make_mesh(*mesh_sizes, devices=devices)
     optimizer, schedule = make_optimizer(1e-2, warmup_steps=1, total_steps=10, weight_decay=0.01)
@@ -156,18 +220,19 @@ def build_step(mesh_sizes=(1, 1, 1), rules="dp", grad_accum=1, params_spec=None)
         optimizer,
         mesh,
         RULES[rules],
-        config=CONFIG,
+        config=config,
         hyperparameters={"kl_coef": 0.05},
         grad_accum=grad_accum,
         logprob_chunk_size=8,
         learning_rate_fn=schedule,
         compiler_options=FAST_COMPILE,
         params_spec=params_spec,
+        rng_seed=rng_seed,
     )
 
 
-def train(step, steps=4):
-    state = step.init_state(jax.tree.map(np.asarray, init_params(CONFIG, jax.random.key(0))))
+def train(step, steps=4, config=CONFIG):
+    state = step.init_state(jax.tree.map(np.asarray, init_params(config, jax.random.key(0))))
     losses = []
     for i in range(steps):
         state, metrics = step(state, step.place_batch(make_batch("grpo", seed=i % 2)))
@@ -207,6 +272,12 @@ def test_adapter_training_lowers_the_loss_on_a_repeated_batch():
 
 def test_sharded_and_accumulated_adapter_steps_equal_one_device():
     # 8 fake CPU devices, adapters sharded like their kernels (the rank axis replicated); 2 micro-batches.
+    # Tolerance: the two programs add the same float32 products in another order (4 fsdp and 2 tp partial sums,
+    # two micro-batch gradients), so gradients differ in their last bits. Adam's update, at most about lr = 1e-2 an
+    # entry per step, changes by that relative error times lr (more for the entries whose gradient is tiny next to
+    # Adam's eps), and three steps add up to a largest difference of 8.5e-7 measured on an AMD EPYC (AVX2). atol
+    # 2e-6 = 2e-4 lr keeps that margin on any CPU while a real fault (a partial sum or a micro-batch missing, an
+    # adapter sharded on the wrong axis) changes gradients by O(1), hence updates by O(lr), four orders above.
     single, _ = train(build_step(), steps=3)
     sharded, _ = train(build_step((1, 4, 2), "fsdp_tp", grad_accum=2), steps=3)
     for a, b in zip(
@@ -225,6 +296,21 @@ def test_adapters_are_float32_and_a_bf16_base_stays_bf16(master_dtype):
 
 
 # PEFT folders -----------------------------------------------------------------------------------------------------
+
+
+def test_peft_adapters_merged_into_hf_tensors_are_the_merged_model():
+    from feynrl_jax.checkpoints.hf_names import hf_tensors
+    from feynrl_jax.checkpoints.peft_adapters import merge_into_hf, peft_tensors
+
+    params = jax.tree.map(np.asarray, trained_adapters(init_params(CONFIG, jax.random.key(0))))
+    base = dict(hf_tensors(lora.base_params(params), CONFIG.without_lora(), np.float32))
+    merged = merge_into_hf(base, peft_tensors(params, CONFIG), CONFIG)
+    want = dict(hf_tensors(lora.merge(params, CONFIG), CONFIG.without_lora(), np.float32))
+    assert merged.keys() == want.keys()
+    for name in want:
+        # Both add the same r = 4 float32 products to W (in another order): agreement to a few ulps of W's O(0.1).
+        np.testing.assert_allclose(merged[name], want[name], rtol=0, atol=1e-6, err_msg=name)
+    assert any(not np.array_equal(merged[name], base[name]) for name in base)
 
 
 def test_peft_folder_round_trip_is_exact(tmp_path):
@@ -303,7 +389,7 @@ def test_peft_loads_our_adapter_onto_transformers_with_the_same_logits(tmp_path)
 # Config ----------------------------------------------------------------------------------------------------------
 
 
-def test_lora_config_keys_are_validated_and_vllm_is_refused():
+def test_lora_config_keys_are_validated():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
     import tiny_rl
 
@@ -318,9 +404,8 @@ def test_lora_config_keys_are_validated_and_vllm_is_refused():
     text = str(error.value)
     assert "model.lora.targets" in text and "model.lora.alpha" in text
     config = tiny_rl.get_config("grpo")
-    config.model.lora.rank = 4
-    config.rollout.engine = "vllm"
-    with pytest.raises(ConfigError, match="model.lora.rank"):
+    config.model.lora.rank, config.model.lora.dropout = 4, 1.0
+    with pytest.raises(ConfigError, match=r"model.lora.dropout=1.0 must be in \[0, 1\)"):
         validation.validate(config, num_devices=1)
 
 
@@ -331,7 +416,9 @@ def test_the_run_model_config_takes_the_lora_keys(tmp_path):
     model = base_config().model
     model.lora.rank, model.lora.alpha, model.lora.targets = 8, 4.0, ("q_proj", "down_proj")
     fields = run_setup.lora_fields(model.lora)
-    assert fields == {"lora_rank": 8, "lora_alpha": 4.0, "lora_targets": ("q_proj", "down_proj")}
+    assert fields == {"lora_rank": 8, "lora_alpha": 4.0, "lora_targets": ("q_proj", "down_proj"), "lora_dropout": 0.0}
+    model.lora.dropout = 0.25
+    assert run_setup.lora_fields(model.lora)["lora_dropout"] == 0.25
     # A PEFT adapter of another rank is refused when a run starts from it, naming the key.
     folder = export_peft(init_params(CONFIG, jax.random.key(0)), CONFIG, str(tmp_path / "adapter"))
     with pytest.raises(InputError, match="config.model.lora.rank=8 but the PEFT adapter"):
@@ -362,7 +449,7 @@ def data_root(tmp_path_factory):
     return root
 
 
-def tiny_run_config(root, paradigm: str, run_dir, steps: int = 6):
+def tiny_run_config(root, paradigm: str, run_dir, steps: int = 6, dropout: float = 0.0):
     from feynrl_jax.config.base import add_data_source, base_config, data_source
 
     config = base_config()
@@ -374,7 +461,7 @@ def tiny_run_config(root, paradigm: str, run_dir, steps: int = 6):
     arch = config.model.arch
     arch.vocab_size, arch.hidden_size, arch.intermediate_size = 288, 32, 64
     arch.num_heads, arch.num_kv_heads, arch.head_dim = 4, 2, 8
-    config.model.lora.rank, config.model.lora.alpha = 4, 8.0
+    config.model.lora.rank, config.model.lora.alpha, config.model.lora.dropout = 4, 8.0, dropout
     add_data_source(config, "toy", data_source("jsonl", path=str(root / f"{paradigm}_train.jsonl")))
     add_data_source(config, "toy_test", data_source("jsonl", path=str(root / f"{paradigm}_test.jsonl"), split="test"))
     config.data.max_seq_len = 48
@@ -411,16 +498,22 @@ def test_sft_with_lora_trains_only_adapters_resumes_exactly_and_exports(data_roo
     from feynrl_jax.train import sft_loop
     from feynrl_jax.train.export import ADAPTER_FOLDER, export_run
 
-    straight = tiny_run_config(data_root, "sft", tmp_path / "straight")
+    # With LoRA dropout: the masks come from (seed, step, micro-batch), so the resumed run draws the same ones.
+    straight = tiny_run_config(data_root, "sft", tmp_path / "straight", dropout=0.3)
     sft_loop.run(straight)
-    first = tiny_run_config(data_root, "sft", tmp_path / "resumed", steps=3)
+    first = tiny_run_config(data_root, "sft", tmp_path / "resumed", steps=3, dropout=0.3)
     sft_loop.run(first)
-    again = tiny_run_config(data_root, "sft", tmp_path / "resumed")
+    again = tiny_run_config(data_root, "sft", tmp_path / "resumed", dropout=0.3)
     again.checkpoint.resume = True
     sft_loop.run(again)
     losses = _losses(tmp_path / "straight")
     assert losses == _losses(tmp_path / "resumed")  # exact resume, bitwise on CPU
     assert losses[-1] < losses[0]
+    # model.lora.dropout reaches the step: without it the same run trains otherwise from step 2 on (at step 1 the
+    # adapters add nothing, B = 0, dropped or not).
+    sft_loop.run(tiny_run_config(data_root, "sft", tmp_path / "no_dropout", steps=3))
+    no_dropout = _losses(tmp_path / "no_dropout")
+    assert no_dropout[0] == losses[0] and no_dropout[1:] != losses[1:3]
     params = _checkpoint_params(tmp_path / "straight")
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_checkpoint_params(tmp_path / "resumed")), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -18,17 +18,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import tiny_rl  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    from feynrl_jax.orchestration.runtime import start_ray, stop_ray
-
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    assert start_ray(tiny_rl.get_config().ray)
-    yield
-    stop_ray()
-
-
 def _is_shape(x) -> bool:
     return isinstance(x, tuple)
 

@@ -25,18 +25,6 @@ import tiny_rl  # noqa: E402
 RL_ALGORITHMS = sorted(name for name, a in ALGORITHMS.items() if a.paradigm == "rl")
 
 
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    from feynrl_jax.orchestration.runtime import start_ray, stop_ray
-
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    config = tiny_rl.get_config()
-    assert start_ray(config.ray)
-    yield
-    stop_ray()
-
-
 def tiny_config(algo: str, run_dir: str, **changes):
     config = tiny_rl.get_config(algo)
     config.run_dir = run_dir

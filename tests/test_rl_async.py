@@ -24,17 +24,6 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 import tiny_rl  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    from feynrl_jax.orchestration.runtime import start_ray, stop_ray
-
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    assert start_ray(tiny_rl.get_config().ray)
-    yield
-    stop_ray()
-
-
 def async_config(run_dir: str, staleness: int = 2, algo: str = "grpo"):
     config = tiny_rl.get_config(algo)
     config.run_dir = run_dir

@@ -8,6 +8,8 @@ tensor, shows at once: the trainer's recomputed log-probabilities of the sampled
   to float32 rounding (the mismatch KL, logged every step), TIS is on by default, and the held-out evaluation runs
   on the rollout workers;
 - async (`train.max_staleness=1`): batches one version behind, the decoupled correction, weights synced each step;
+- LoRA: the base reaches each worker once and every version is the adapters alone, which vLLM serves as a LoRA
+  adapter (started from a PEFT adapter far from zero, so an engine serving the base alone would be far off);
 - the `rollout.vllm` keys reach `vllm.LLM`.
 """
 
@@ -108,6 +110,39 @@ def test_async_run_on_vllm(ray_session, tmp_path):
     assert records[2]["perf/weight_sync_bytes"] == hf_bytes(config)
 
 
+def test_lora_run_on_vllm_syncs_the_adapters_alone(ray_session, tmp_path):
+    import jax
+
+    from feynrl_jax.checkpoints.peft_adapters import export_peft, peft_shapes
+    from feynrl_jax.models import ModelConfig, init_params
+    from feynrl_jax.orchestration import rl_loop
+
+    config = vllm_config(tmp_path / "lora")
+    targets = ("q_proj", "v_proj", "down_proj")
+    config.model.lora.rank, config.model.lora.alpha, config.model.lora.targets = 4, 16.0, targets
+    model_config = ModelConfig(**dict(config.model.arch), lora_rank=4, lora_alpha=16.0, lora_targets=targets)
+    params = jax.tree.map(np.asarray, init_params(model_config, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    for target in targets:
+        b = params["layers"][target]["lora_b"]
+        params["layers"][target]["lora_b"] = (0.5 * rng.standard_normal(b.shape)).astype(np.float32)
+    config.model.lora.init_from = export_peft(params, model_config, str(tmp_path / "adapter"))
+    rl_loop.run(config)
+    records = [r for r in read_metrics(config.run_dir) if r["step"] >= 1]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    adapter_bytes = 4 * sum(int(np.prod(shape)) for shape in peft_shapes(model_config).values())
+    assert adapter_bytes < hf_bytes(config) / 50
+    # The first load brings the base (once per worker) and the adapter; every later one the adapter alone.
+    assert records[0]["perf/weight_sync_bytes"] == hf_bytes(config) + adapter_bytes
+    for r in records:
+        assert r["perf/publish_bytes"] == adapter_bytes, r["step"]
+        if r["step"] > 1:
+            assert r["perf/weight_sync_bytes"] == adapter_bytes, r["step"]
+        # vLLM serves base + adapter as the trainer computes it (the base alone is off by more than 0.05).
+        assert abs(r["rollout/logprob_mismatch_kl"]) < 1e-3, r
+        assert r["rollout/logprob_mismatch_max_abs"] < 1e-3, r
+
+
 def test_rollout_vllm_keys_reach_the_engine(tmp_path):
     from feynrl_jax.checkpoints import load_tokenizer, smollm2_checkpoint_dir
     from feynrl_jax.models import ModelConfig
@@ -121,7 +156,7 @@ def test_rollout_vllm_keys_reach_the_engine(tmp_path):
     arch = dict(config.model.arch)
     model_config = ModelConfig(**arch, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     spec = engine_spec(config, model_config, load_tokenizer(smollm2_checkpoint_dir()), cache_len=256)
-    engine = build_vllm(spec)
+    engine = build_vllm(spec, model_config)
     try:
         vllm_config_ = engine._llm.llm_engine.vllm_config
         assert str(vllm_config_.model_config.dtype) == "torch.bfloat16"

@@ -98,9 +98,116 @@ def _per_layer(leaf: np.ndarray, target: str, which: str) -> list[np.ndarray]:
     return [b.reshape(rank, -1).T for b in leaf]  # [L, r, *outputs] -> [out, r]
 
 
+def peft_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """`{PEFT tensor name: shape}` of every adapter matrix of `config` (`lora_A` `[r, in]`, `lora_B` `[out, r]`)."""
+    from feynrl_jax.models.decoder import param_shapes
+
+    shapes = param_shapes(config.without_lora())["layers"]
+    r = config.lora_rank
+    out = {}
+    for target in config.lora_targets:
+        kernel = shapes[target]["kernel"][1:]
+        n = input_dims(target)
+        fan_in, fan_out = int(np.prod(kernel[:n])), int(np.prod(kernel[n:]))
+        for i in range(config.num_layers):
+            out[tensor_name(i, target, "A")] = (r, fan_in)
+            out[tensor_name(i, target, "B")] = (fan_out, r)
+    return out
+
+
+def peft_tensors(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
+    """`{PEFT tensor name: contiguous host matrix}` of the adapters in `params` (full params or the adapters
+    alone, `lora.adapters_of`; host or device arrays, dtype kept)."""
+    if not config.lora_rank:
+        raise ValueError("peft_tensors needs a model config with LoRA adapters (lora_rank > 0)")
+    tensors = {}
+    for target in config.lora_targets:
+        for key, which in (("lora_a", "A"), ("lora_b", "B")):
+            leaf = params.get("layers", {}).get(target, {}).get(key)
+            if leaf is None:
+                raise KeyError(f"layers/{target}/{key}")
+            for i, matrix in enumerate(_per_layer(np.asarray(leaf), target, which)):
+                tensors[tensor_name(i, target, which)] = np.ascontiguousarray(matrix)
+    return tensors
+
+
+def hf_kernel_name(layer: int, target: str) -> str:
+    """The Hugging Face name of the kernel that `target`'s adapter of `layer` adapts (`[out, in]`)."""
+    return f"model.layers.{layer}.{_MODULE[target]}.{target}.weight"
+
+
+def merge_into_hf(
+    hf: dict[str, np.ndarray], adapters: dict[str, np.ndarray], config: ModelConfig
+) -> dict[str, np.ndarray]:
+    """Hugging Face tensors with PEFT adapter tensors merged in: `W + (alpha / r) B A` for each adapted kernel, in
+    float32, cast back to the kernel's dtype (PEFT's `merge_and_unload`). Unadapted tensors are passed through
+    (the same arrays).
+
+    Args:
+        hf: `{HF name: array}` of the base (`hf_names.hf_tensors`).
+        adapters: `{PEFT tensor name: array}` (`peft_tensors`).
+        config: the model config (`lora_rank`, `lora_alpha`, `lora_targets`, `num_layers`).
+    """
+    out = dict(hf)
+    scale = np.float32(config.lora_scale)
+    for target in config.lora_targets:
+        for i in range(config.num_layers):
+            name = hf_kernel_name(i, target)
+            kernel = out[name]
+            a = np.asarray(adapters[tensor_name(i, target, "A")], np.float32)
+            b = np.asarray(adapters[tensor_name(i, target, "B")], np.float32)
+            out[name] = (np.asarray(kernel, np.float32) + scale * (b @ a)).astype(kernel.dtype)
+    return out
+
+
+def adapter_config(config: ModelConfig, *, base_model: str = "") -> dict[str, Any]:
+    """The `adapter_config.json` of `config`'s adapters: plain LoRA (`r`, `lora_alpha`, `target_modules`).
+
+    Args:
+        config: the model config (`lora_rank`, `lora_alpha`, `lora_targets`).
+        base_model: `base_model_name_or_path` (the base model's folder or hub id), or "".
+    """
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or None,
+        "r": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "target_modules": list(config.lora_targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def write_peft(tensors: dict[str, np.ndarray], config: dict[str, Any], folder: str) -> str:
+    """Writes a PEFT folder (`adapter_model.safetensors` and `adapter_config.json`), complete or not at all: written
+    beside it, then renamed into place; an existing folder is replaced. Returns `folder`."""
+    from safetensors.numpy import save_file
+
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".peft-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(staging, ADAPTER_CONFIG), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        if os.path.isdir(folder):
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
 def export_peft(params: dict, config: ModelConfig, folder: str, *, base_model: str = "") -> str:
-    """Writes the adapters of `params` as a PEFT LoRA folder (complete or not at all: written beside it, then
-    renamed into place; an existing folder is replaced).
+    """Writes the adapters of `params` as a PEFT LoRA folder (`write_peft`: complete or not at all).
 
     Args:
         params: params with adapters (host or device arrays; float32 adapters stay float32).
@@ -111,46 +218,7 @@ def export_peft(params: dict, config: ModelConfig, folder: str, *, base_model: s
     Returns:
         `folder`.
     """
-    from safetensors.numpy import save_file
-
-    if not config.lora_rank:
-        raise ValueError("export_peft needs a model config with LoRA adapters (lora_rank > 0)")
-    tensors = {}
-    for target in config.lora_targets:
-        leaves = params["layers"][target]
-        for key, which in (("lora_a", "A"), ("lora_b", "B")):
-            for i, matrix in enumerate(_per_layer(np.asarray(leaves[key]), target, which)):
-                tensors[tensor_name(i, target, which)] = np.ascontiguousarray(matrix)
-    adapter_config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model or None,
-        "r": config.lora_rank,
-        "lora_alpha": config.lora_alpha,
-        "lora_dropout": 0.0,
-        "target_modules": list(config.lora_targets),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "inference_mode": True,
-    }
-    parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".peft-", dir=parent)
-    try:
-        save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        with open(os.path.join(staging, ADAPTER_CONFIG), "w") as f:
-            json.dump(adapter_config, f, indent=2, sort_keys=True)
-        if os.path.isdir(folder):
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return folder
+    return write_peft(peft_tensors(params, config), adapter_config(config, base_model=base_model), folder)
 
 
 def load_peft_adapters(folder: str, config: ModelConfig) -> dict:
@@ -185,32 +253,26 @@ def load_peft_adapters(folder: str, config: ModelConfig) -> dict:
         raise InputError(f"{path}: cannot read the adapter weights ({e})") from None
     from feynrl_jax.models.decoder import param_shapes
 
-    shapes = param_shapes(config)["layers"]
+    ours = param_shapes(config)["layers"]
+    expected = peft_shapes(config)
     out: dict[str, dict] = {}
-    used = set()
-    r = config.lora_rank
     for target in config.lora_targets:
-        kernel = shapes[target]["kernel"][1:]
-        n = input_dims(target)
-        inputs, outputs = kernel[:n], kernel[n:]
         leaves = {}
-        for key, which, ours, peft_shape in (
-            ("lora_a", "A", (*inputs, r), (r, int(np.prod(inputs)))),
-            ("lora_b", "B", (r, *outputs), (int(np.prod(outputs)), r)),
-        ):
+        for key, which in (("lora_a", "A"), ("lora_b", "B")):
             layers = []
             for i in range(config.num_layers):
                 name = tensor_name(i, target, which)
                 if name not in tensors:
                     raise InputError(f"{path}: tensor {name} is missing")
                 matrix = tensors[name]
-                if tuple(matrix.shape) != peft_shape:
-                    raise InputError(f"{path}: tensor {name} has shape {tuple(matrix.shape)}, expected {peft_shape}")
-                used.add(name)
-                layers.append(matrix.astype(np.float32).T.reshape(ours))
-            leaves[key] = np.stack(layers)
+                if tuple(matrix.shape) != expected[name]:
+                    raise InputError(
+                        f"{path}: tensor {name} has shape {tuple(matrix.shape)}, expected {expected[name]}"
+                    )
+                layers.append(matrix.astype(np.float32).T)
+            leaves[key] = np.stack([m.reshape(ours[target][key][1:]) for m in layers])
         out[target] = leaves
-    unexpected = sorted(set(tensors) - used)
+    unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise InputError(f"{path}: {len(unexpected)} tensor(s) this model has no place for, e.g. {unexpected[0]}")
     return {"layers": out}

@@ -54,6 +54,7 @@ def base_config() -> ConfigDict:
     config.model.lora = ConfigDict()
     config.model.lora.rank = 0  # r; 0: full fine-tuning.
     config.model.lora.alpha = 16.0  # The adapters' output is scaled by alpha / rank.
+    config.model.lora.dropout = 0.0  # Dropout on the adapters' inputs in training passes (PEFT's lora_dropout).
     config.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     config.model.lora.init_from = placeholder(str)  # A PEFT adapter folder to start from (its r, alpha, targets).
     config.model.random_init = False  # Random weights with the shape below (tests, benchmarks).
@@ -138,6 +139,9 @@ def base_config() -> ConfigDict:
     config.rollout.vllm.enable_prefix_caching = True  # A prompt's samples share its KV; dropped at each weight load.
     # KV cache memory per engine (vLLM's kv_cache_memory_bytes); 0: vLLM sizes it (gpu_memory_utilization).
     config.rollout.vllm.kv_cache_gib = 1.0
+    # A LoRA policy (model.lora.rank > 0): "merge" (the worker merges each version's adapters into its copy of the
+    # base and loads plain weights; full decode speed) or "adapter" (vLLM's LoRA support applies them unmerged).
+    config.rollout.vllm.lora_mode = "merge"
     config.rollout.vllm.engine_kwargs = ConfigDict()  # Other `vllm.LLM` arguments, e.g. gpu_memory_utilization.
 
     config.algo = ConfigDict()

@@ -235,6 +235,8 @@ def _check_lora(lora, bad):
             bad("model.lora.init_from", "model.lora.init_from needs model.lora.rank > 0 (the adapter's r).")
         return
     _positive(bad, "model.lora.alpha", lora.alpha)
+    if not 0.0 <= lora.dropout < 1.0:
+        bad("model.lora.dropout", f"model.lora.dropout={lora.dropout} must be in [0, 1).")
     targets = tuple(lora.targets)
     unknown = sorted(set(targets) - set(LORA_TARGETS))
     if unknown or not targets:
@@ -418,7 +420,14 @@ VLLM_OWN_ARGUMENTS = {
     "tensor_parallel_size": "ray.gpus_per_rollout_worker",
     "generation_config": "the sampling settings (rollout.*)",
     "kv_cache_memory_bytes": "rollout.vllm.kv_cache_gib",
+    "enable_lora": "model.lora.rank and rollout.vllm.lora_mode",
+    "max_lora_rank": "model.lora.rank and rollout.vllm.lora_mode",
+    "max_loras": "model.lora.rank and rollout.vllm.lora_mode (one adapter: the policy's)",
 }
+VLLM_LORA_MODES = ("merge", "adapter")
+"""`feynrl_jax.rollout.vllm_engine.LORA_MODES` (tests keep them equal)."""
+VLLM_MAX_LORA_RANK = 512
+"""vLLM's largest `max_lora_rank` (`feynrl_jax.rollout.vllm_engine.VLLM_LORA_RANKS`, which tests keep equal)."""
 
 
 def _check_vllm(config, bad):
@@ -427,14 +436,15 @@ def _check_vllm(config, bad):
 
     if importlib.util.find_spec("vllm") is None:
         bad("rollout.engine", f"rollout.engine='vllm' needs vLLM, which is not installed: {VLLM_INSTALL}.")
-    if config.model.lora.rank:
+    if config.model.lora.rank > VLLM_MAX_LORA_RANK and config.rollout.vllm.lora_mode == "adapter":
         bad(
             "model.lora.rank",
-            "model.lora.rank > 0 with rollout.engine='vllm' is not supported yet (vLLM would take the adapters as a "
-            "LoRA request); use rollout.engine='native', which syncs the adapters alone.",
+            f"model.lora.rank={config.model.lora.rank} with rollout.vllm.lora_mode='adapter': vLLM serves LoRA "
+            f"adapters of rank up to {VLLM_MAX_LORA_RANK} (rollout.vllm.lora_mode='merge' has no limit).",
         )
     vllm = config.rollout.vllm
     _choice(bad, "rollout.vllm.dtype", vllm.dtype, VLLM_DTYPES)
+    _choice(bad, "rollout.vllm.lora_mode", vllm.lora_mode, VLLM_LORA_MODES)
     _at_least(bad, "rollout.vllm.kv_cache_gib", vllm.kv_cache_gib, 0.0)
     for key in vllm.engine_kwargs:
         if key in VLLM_OWN_ARGUMENTS:

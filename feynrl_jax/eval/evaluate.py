@@ -415,7 +415,8 @@ def vllm_engine(config: Any, model_config: Any, tokenizer: Any, eval_set: EvalSe
     from feynrl_jax.orchestration.engines import build_vllm, engine_spec
 
     longest = max(len(p) for p in eval_set.prompt_ids)
-    return build_vllm(engine_spec(config, model_config, tokenizer, cache_len=longest + config.eval.max_new_tokens))
+    spec = engine_spec(config, model_config, tokenizer, cache_len=longest + config.eval.max_new_tokens)
+    return build_vllm(spec, model_config)
 
 
 def run(config: Any) -> dict[str, float]:

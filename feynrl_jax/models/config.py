@@ -69,6 +69,8 @@ class ModelConfig:
             adapters. The params then hold `lora_a`/`lora_b` beside each target's kernel.
         lora_alpha: the adapters' output is scaled by `lora_alpha / lora_rank`.
         lora_targets: the projections that carry adapters, a subset of `LORA_TARGETS`.
+        lora_dropout: probability of zeroing each input element of an adapter (not of the frozen projection),
+            in training forward passes that are given a key (`forward`'s `dropout_rng`); 0: none.
     """
 
     architecture: str = "llama"
@@ -97,6 +99,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = 0.0
 
     def __post_init__(self):
         def fail(key, message):
@@ -137,6 +140,8 @@ class ModelConfig:
             fail("lora_targets", f"unknown projections {unknown}; expected a subset of {LORA_TARGETS}")
         if self.lora_rank and not self.lora_alpha > 0:
             fail("lora_alpha", f"must be positive, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            fail("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
 
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         """`rope_scaling` as a plain dict (or None)."""
@@ -157,7 +162,9 @@ class ModelConfig:
 
     def without_lora(self) -> ModelConfig:
         """This config without adapters: the base model (the reference, the merged export, the rollout engine)."""
-        return dataclasses.replace(self, lora_rank=0, lora_alpha=ModelConfig.lora_alpha, lora_targets=())
+        return dataclasses.replace(
+            self, lora_rank=0, lora_alpha=ModelConfig.lora_alpha, lora_targets=(), lora_dropout=0.0
+        )
 
     @property
     def num_params(self) -> int:

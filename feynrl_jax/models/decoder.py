@@ -36,7 +36,7 @@ from flax import struct
 
 from feynrl_jax.models import lora
 from feynrl_jax.models.attention import attend, cache_mask, packed_mask, within_window
-from feynrl_jax.models.config import ModelConfig
+from feynrl_jax.models.config import LORA_TARGETS, ModelConfig
 from feynrl_jax.models.rope import apply_rope, rope_cos_sin
 
 Params = dict
@@ -189,24 +189,31 @@ def _matmul(x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
     return (x.reshape(b * t, n) @ kernel.astype(dtype)).reshape(b, t, kernel.shape[-1])
 
 
-def _dense(x: jax.Array, proj: dict, dtype, lora_scale: float) -> jax.Array:
+def _dense(x: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | None = None) -> jax.Array:
     """`x [B, T, N]` through a projection `{"kernel": [*inputs, *outputs]}` (inputs multiply to N) to
     `[B, T, M]` (M the product of the outputs), plus `lora_scale * (x A) B` when the projection holds LoRA
-    adapters `lora_a [*inputs, r]`, `lora_b [r, *outputs]` (`feynrl_jax.models.lora`)."""
+    adapters `lora_a [*inputs, r]`, `lora_b [r, *outputs]` (`feynrl_jax.models.lora`).
+
+    `dropout = (key, rate)` drops elements of the adapters' input `x` (inverted dropout, scaled by
+    `1 / (1 - rate)`), as PEFT's `lora_dropout` does; the frozen projection sees `x` whole."""
     n = x.shape[-1]
     out = _matmul(x, proj["kernel"].reshape(n, -1), dtype)
     if "lora_a" in proj:
         a, b = proj["lora_a"], proj["lora_b"]
         rank = a.shape[-1]
+        if dropout is not None:
+            key, rate = dropout
+            keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+            x = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
         low = _matmul(x, a.reshape(n, rank), dtype)
         out = out + (lora_scale * _matmul(low, b.reshape(rank, -1), dtype)).astype(out.dtype)
     return out
 
 
-def _project(h: jax.Array, proj: dict, dtype, lora_scale: float) -> jax.Array:
+def _project(h: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | None = None) -> jax.Array:
     """`h [B, T, D]` through a `[D, heads, Dh]` projection (`_dense`) to `[B, T, heads, Dh]`."""
     _, heads, head_dim = proj["kernel"].shape
-    return _dense(h, proj, dtype, lora_scale).reshape(*h.shape[:2], heads, head_dim)
+    return _dense(h, proj, dtype, lora_scale, dropout).reshape(*h.shape[:2], heads, head_dim)
 
 
 def _remat_policy(name: str):
@@ -246,6 +253,7 @@ def forward(
     cache: KVCache | None = None,
     remat: str | None = None,
     attend_len: int | None = None,
+    dropout_rng: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder up to and including the final norm.
 
@@ -273,6 +281,8 @@ def forward(
         attend_len: with `cache`, attend to its first `attend_len` indices only (static; the queries whose output
             matters must sit below it). Decoding reads less of the cache while the live sequences are short.
             None: the whole cache.
+        dropout_rng: a PRNG key for LoRA dropout (`config.lora_dropout`; training passes only), or None: no
+            dropout. Each layer and projection draws its own mask from it (`lora_dropout_keys`).
 
     Returns:
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
@@ -280,6 +290,9 @@ def forward(
     dtype = jnp.dtype(config.compute_dtype)
     params = as_param_dtype(params, config)
     scale = config.lora_scale  # adapters present in the params are applied (feynrl_jax.models.lora)
+    layer_keys = None
+    if dropout_rng is not None and config.lora_dropout > 0 and config.lora_rank:
+        layer_keys = jax.random.split(dropout_rng, config.num_layers)
     x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype)
     cos, sin = rope_cos_sin(positions, config)
     batch_idx = jnp.arange(tokens.shape[0])[:, None]
@@ -291,12 +304,14 @@ def forward(
         cache_len = cache.v[0].shape[-2]
         write_idx = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, cache_len)
 
-    def block(x, p, window, attention):
-        """One layer; `attention(q, k, v, window) -> (attn, aux)` owns the cache. Returns `(x, aux)`."""
+    def block(x, p, window, attention, key):
+        """One layer; `attention(q, k, v, window) -> (attn, aux)` owns the cache; `key`: the layer's LoRA dropout
+        key or None. Returns `(x, aux)`."""
+        drop = _dropout_per_target(key, config.lora_dropout)
         h = rms_norm(x, p["attn_norm"]["scale"], config.rms_norm_eps)
-        q = _project(h, p["q_proj"], dtype, scale)
-        k = _project(h, p["k_proj"], dtype, scale)
-        v = _project(h, p["v_proj"], dtype, scale)
+        q = _project(h, p["q_proj"], dtype, scale, drop["q_proj"])
+        k = _project(h, p["k_proj"], dtype, scale, drop["k_proj"])
+        v = _project(h, p["v_proj"], dtype, scale, drop["v_proj"])
         if config.attention_bias:
             q = q + p["q_proj"]["bias"].astype(dtype)
             k = k + p["k_proj"]["bias"].astype(dtype)
@@ -306,14 +321,14 @@ def forward(
             k = rms_norm(k, p["k_norm"]["scale"], config.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn, aux = attention(q, k, v, window)
-        out = _dense(attn.reshape(*attn.shape[:2], -1), p["o_proj"], dtype, scale)
+        out = _dense(attn.reshape(*attn.shape[:2], -1), p["o_proj"], dtype, scale, drop["o_proj"])
         if "bias" in p["o_proj"]:
             out = out + p["o_proj"]["bias"].astype(dtype)
         x = x + out
         h = rms_norm(x, p["mlp_norm"]["scale"], config.rms_norm_eps)
-        gate = _dense(h, p["gate_proj"], dtype, scale)
-        up = _dense(h, p["up_proj"], dtype, scale)
-        x = x + _dense(jax.nn.silu(gate) * up, p["down_proj"], dtype, scale)
+        gate = _dense(h, p["gate_proj"], dtype, scale, drop["gate_proj"])
+        up = _dense(h, p["up_proj"], dtype, scale, drop["up_proj"])
+        x = x + _dense(jax.nn.silu(gate) * up, p["down_proj"], dtype, scale, drop["down_proj"])
         return x, aux
 
     def packed_attention(q, k, v, window):
@@ -338,14 +353,26 @@ def forward(
         block = jax.checkpoint(block, policy=_remat_policy(policy), prevent_cse=False, static_argnums=(3,))
 
     if isinstance(params["layers"], tuple):
-        x, cache = _unrolled_layers(block, packed_attention, cached_attention, x, params["layers"], cache, config)
+        x, cache = _unrolled_layers(
+            block, packed_attention, cached_attention, x, params["layers"], cache, config, layer_keys
+        )
     else:
-        x, cache = _scanned_layers(block, packed_attention, cached_attention, x, params["layers"], cache, config)
+        x, cache = _scanned_layers(
+            block, packed_attention, cached_attention, x, params["layers"], cache, config, layer_keys
+        )
     x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
     return x, cache
 
 
-def _scanned_layers(block, packed_attention, cached_attention, x, layers, cache, config):
+def _dropout_per_target(key: jax.Array | None, rate: float) -> dict[str, tuple | None]:
+    """`{target: (key, rate)}` of one layer's LoRA dropout (a key per projection), or `{target: None}`."""
+    if key is None:
+        return dict.fromkeys(LORA_TARGETS)
+    keys = jax.random.split(key, len(LORA_TARGETS))
+    return {target: (keys[i], rate) for i, target in enumerate(LORA_TARGETS)}
+
+
+def _scanned_layers(block, packed_attention, cached_attention, x, layers, cache, config, layer_keys):
     """`lax.scan` over stacked layers; a per-layer cache is stacked and split again."""
     per_layer = cache is not None and isinstance(cache.k, tuple)
     if per_layer:
@@ -358,42 +385,43 @@ def _scanned_layers(block, packed_attention, cached_attention, x, layers, cache,
     # would re-stack the whole cache on every call.
     def layer(carry, layer_in):
         x, ck, cv = carry
-        p, window, index = layer_in
+        p, window, index, key = layer_in
         window = window if any_window else None
         if ck is None:
-            x, _ = block(x, p, window, packed_attention)
+            x, _ = block(x, p, window, packed_attention, key)
         else:
 
             def attention(q, k, v, window):
                 return cached_attention(q, k, v, window, ck, cv, (index,))
 
-            x, (ck, cv) = block(x, p, window, attention)
+            x, (ck, cv) = block(x, p, window, attention, key)
         return (x, ck, cv), None
 
     ck, cv = (None, None) if cache is None else (cache.k, cache.v)
     layer_index = jnp.arange(config.num_layers)
-    (x, ck, cv), _ = jax.lax.scan(layer, (x, ck, cv), (layers, windows, layer_index))
+    (x, ck, cv), _ = jax.lax.scan(layer, (x, ck, cv), (layers, windows, layer_index, layer_keys))
     if cache is None:
         return x, None
     cache = KVCache(k=ck, v=cv)
     return x, (cache.unstack() if per_layer else cache)
 
 
-def _unrolled_layers(block, packed_attention, cached_attention, x, layers, cache, config):
+def _unrolled_layers(block, packed_attention, cached_attention, x, layers, cache, config, layer_keys):
     """A Python loop over per-layer params; a stacked cache is split into per-layer arrays and re-stacked."""
     stacked = cache is not None and not isinstance(cache.k, tuple)
     if stacked:
         cache = cache.unstack()
     ks, vs = (None, None) if cache is None else (list(cache.k), list(cache.v))
     for index, (p, window) in enumerate(zip(layers, config.layer_windows(), strict=True)):
+        key = None if layer_keys is None else layer_keys[index]
         if cache is None:
-            x, _ = block(x, p, window, packed_attention)
+            x, _ = block(x, p, window, packed_attention, key)
         else:
 
             def attention(q, k, v, window, index=index):
                 return cached_attention(q, k, v, window, ks[index], vs[index], ())
 
-            x, (ks[index], vs[index]) = block(x, p, window, attention)
+            x, (ks[index], vs[index]) = block(x, p, window, attention, key)
     if cache is None:
         return x, None
     cache = KVCache(k=tuple(ks), v=tuple(vs))

@@ -100,6 +100,7 @@ def sequence_logprobs(
     chunk_size: int = 256,
     remat: str | None = None,
     first_column: int = 1,
+    dropout_rng: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probabilities of `tokens` under the model, aligned with `tokens`.
 
@@ -121,11 +122,14 @@ def sequence_logprobs(
         remat: rematerialisation policy passed to `forward`.
         first_column: static; no token before this column is scored (an RL batch whose completions all start
             at or after a known column skips the output projection over its prompts).
+        dropout_rng: `forward`'s LoRA dropout key (training passes), or None.
 
     Returns:
         `(logprobs [B, T] f32, entropy [B, T] f32 or None)`.
     """
-    hidden, _ = forward(params, tokens, positions, config=config, segment_ids=segment_ids, remat=remat)
+    hidden, _ = forward(
+        params, tokens, positions, config=config, segment_ids=segment_ids, remat=remat, dropout_rng=dropout_rng
+    )
     b, t = tokens.shape
     start = max(1, first_column)
     if t <= start:

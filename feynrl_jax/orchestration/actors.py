@@ -244,6 +244,7 @@ class RolloutWorker:
     ):
         self.model_config, self.spec, self.index = model_config, spec, index
         self.engine = None
+        self.base_loaded = False  # a LoRA run's base weights are in the engine (fetched once)
         self.version = -1
         self.generating = False
         self.generate_calls = 0
@@ -254,7 +255,7 @@ class RolloutWorker:
 
             self.tokenizer = load_tokenizer(tokenizer_dir)
             if spec.kind == "vllm":
-                self.engine = build_vllm(spec)
+                self.engine = build_vllm(spec, model_config)
 
     def ready(self) -> int:
         """The process id; raises what the construction raised."""
@@ -291,14 +292,21 @@ class RolloutWorker:
         weights = fetch_snapshot(snapshot)
         nbytes = float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(weights).values()))
         lora_sync = snapshot.base is not None  # a LoRA run: `weights` are the adapters alone
-        if lora_sync and self.engine is None:  # the base, once per worker
-            from feynrl_jax.models import lora
-
+        vllm = self.spec.kind == "vllm"
+        if lora_sync and not self.base_loaded:  # the base, once per worker
             base = fetch_snapshot(snapshot, base=True)
             nbytes += float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(base).values()))
-            weights = lora.combine(base, weights)
+            if vllm:
+                self.engine.load_weights(base, snapshot.version)
+            else:  # the native engine is built below, with base and adapters
+                from feynrl_jax.models import lora
+
+                weights = lora.combine(base, weights)
+            self.base_loaded = True
         fetched = time.perf_counter()
-        if self.spec.kind == "vllm":
+        if vllm and lora_sync:
+            self.engine.load_adapter_weights(weights, snapshot.version)
+        elif vllm:
             self.engine.load_weights(weights, snapshot.version)
         elif lora_sync and self.engine is not None:
             self.engine.load_adapters(weights, snapshot.version)
@@ -464,7 +472,10 @@ class TrainerActor:
 
         Every trainer process gathers the params (a collective); process 0 alone writes them to the store."""
         t0 = time.perf_counter()
-        weights = self.for_engine(self.trainer.host_adapters() if self.lora_sync else self.trainer.host_params())
+        if self.lora_sync:
+            weights = self.for_engine.adapters(self.trainer.host_adapters())
+        else:
+            weights = self.for_engine.params(self.trainer.host_params())
         convert_seconds = time.perf_counter() - t0
         if self.process_id:
             return {}
@@ -490,7 +501,7 @@ class TrainerActor:
         if self.lora_sync:
             base = self.trainer.host_base()  # a collective with several trainer processes
             if not self.process_id:
-                figures = publish_base(self.store, base, timeout_s=self.store_timeout_s)
+                figures = publish_base(self.store, self.for_engine.base(base), timeout_s=self.store_timeout_s)
                 log.info("published the frozen LoRA base once: %d bytes", figures["perf/publish_base_bytes"])
         self._publish(restored.policy_version)
         return dataclasses.asdict(restored)

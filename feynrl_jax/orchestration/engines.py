@@ -4,7 +4,9 @@
 - "vllm": `VLLMEngine` (vLLM, in the worker's process), started from a folder that holds only `config.json` and the
   tokenizer (`load_format="dummy"`: no weight is read from disk) and fed Hugging Face-named tensors in its dtype.
   The trainer converts its params before publishing them (`publish_format`), so the store holds what the engine
-  loads and a worker only fetches and loads: no conversion per worker, no file, no engine restart.
+  loads and a worker only fetches and loads: no conversion per worker, no file, no engine restart. A LoRA policy's
+  base goes to the store once as Hugging Face tensors and every version as PEFT-named adapter tensors, which the
+  engine serves as a vLLM LoRA adapter.
 
 Settings are unpacked from the config here (`engine_spec`), at the edge; the engines never see the config.
 """
@@ -37,6 +39,7 @@ class EngineSpec:
         tensor_parallel_size: vLLM: GPUs the engine spans (`ray.gpus_per_rollout_worker`, at least 1).
         engine_kwargs: vLLM: other `vllm.LLM` arguments (`rollout.vllm.engine_kwargs`), applied last.
         seed: vLLM's global seed (requests carry their own).
+        lora_mode: vLLM: how a LoRA policy's adapters are served, "merge" or "adapter" (`VLLMEngine`).
     """
 
     kind: str
@@ -52,6 +55,7 @@ class EngineSpec:
     tensor_parallel_size: int | None = None
     engine_kwargs: Mapping[str, Any] | None = None
     seed: int | None = None
+    lora_mode: str | None = None
 
 
 def engine_spec(config: Any, model_config: Any, tokenizer: Any, *, cache_len: int) -> EngineSpec:
@@ -85,25 +89,50 @@ def engine_spec(config: Any, model_config: Any, tokenizer: Any, *, cache_len: in
         tensor_parallel_size=max(1, config.ray.gpus_per_rollout_worker),
         engine_kwargs=vllm.engine_kwargs.to_dict(),
         seed=config.seed,
+        lora_mode=vllm.lora_mode,
     )
 
 
-def publish_format(spec: EngineSpec, model_config: Any) -> Callable[[Any], dict[str, Any]]:
-    """The function turning host params into the leaves the store holds for this engine.
+@dataclasses.dataclass(frozen=True)
+class PublishFormat:
+    """How the trainer turns host params into the leaves the store holds for the run's engine.
 
-    native: the params pytree itself (the store flattens it). vLLM: `{HF name: array in spec.dtype}`.
+    Attributes:
+        params: whole params (a run without LoRA) -> what the engine loads.
+        base: a LoRA policy's frozen base (`lora.base_params`) -> what the engine loads once.
+        adapters: a LoRA policy's adapters (`lora.adapters_of`) -> what the engine loads each version.
+    """
+
+    params: Callable[[Any], dict[str, Any]]
+    base: Callable[[Any], dict[str, Any]]
+    adapters: Callable[[Any], dict[str, Any]]
+
+
+def publish_format(spec: EngineSpec, model_config: Any) -> PublishFormat:
+    """What the store holds for this engine.
+
+    native: the params pytrees themselves (the store flattens them). vLLM: `{HF name: array in spec.dtype}` for
+    params and a LoRA base, `{PEFT tensor name: float32 array}` for adapters (`peft_adapters.peft_tensors`).
     """
     if spec.kind == "native":
-        return lambda params: params
+        same = lambda tree: tree  # noqa: E731
+        return PublishFormat(params=same, base=same, adapters=same)
     from feynrl_jax.checkpoints.hf_names import hf_tensors
+    from feynrl_jax.checkpoints.peft_adapters import peft_tensors
     from feynrl_jax.rollout.vllm_engine import numpy_dtype
 
     dtype = numpy_dtype(spec.dtype)
-    return lambda params: dict(hf_tensors(params, model_config, dtype))
+    base_config = model_config.without_lora()
+    return PublishFormat(
+        params=lambda params: dict(hf_tensors(params, model_config, dtype)),
+        base=lambda base: dict(hf_tensors(base, base_config, dtype)),
+        adapters=lambda adapters: peft_tensors(adapters, model_config),
+    )
 
 
-def build_vllm(spec: EngineSpec) -> Any:
-    """A running `VLLMEngine` of `spec`, its weights not loaded yet (dummy until the first `load_weights`)."""
+def build_vllm(spec: EngineSpec, model_config: Any = None) -> Any:
+    """A running `VLLMEngine` of `spec`, its weights not loaded yet (dummy until the first `load_weights`); with
+    LoRA support when `model_config` (the policy's) has adapters."""
     if spec.kind != "vllm":
         raise ValueError(f"build_vllm needs a vLLM spec, got kind={spec.kind!r}")
     # vLLM logs several INFO lines and two expected warnings (rotary embedding and tied LM head: nothing to load)
@@ -125,6 +154,8 @@ def build_vllm(spec: EngineSpec) -> Any:
         enforce_eager=spec.enforce_eager,
         in_process=True,
         policy_version=-1,
+        lora_config=model_config if model_config is not None and model_config.lora_rank else None,
+        lora_mode=spec.lora_mode or "merge",
         engine_kwargs={
             "load_format": "dummy",
             "enable_prefix_caching": spec.enable_prefix_caching,

@@ -400,6 +400,7 @@ class RLTrainer:
             params_spec=ParamsSpec.of_model(self.model_config).with_master_dtype(config.model.master_dtype or None),
             grad_accum=self.plan.grad_accum_steps,
             learning_rate_fn=schedule,
+            rng_seed=run_setup.dropout_seed(config, self.model_config),
         )
         logprob_settings = dict(
             chunk_rows=chunk_rows, temperature=settings.temperature, with_entropy=True, first_column=first_column

@@ -153,7 +153,18 @@ def lora_fields(lora_cfg: ConfigDict) -> dict[str, Any]:
     is read only when a run starts from it (`load_params`), so a resumed run or an export does not need it."""
     if not lora_cfg.rank:
         return {}
-    return dict(lora_rank=int(lora_cfg.rank), lora_alpha=float(lora_cfg.alpha), lora_targets=tuple(lora_cfg.targets))
+    return dict(
+        lora_rank=int(lora_cfg.rank),
+        lora_alpha=float(lora_cfg.alpha),
+        lora_targets=tuple(lora_cfg.targets),
+        lora_dropout=float(lora_cfg.dropout),
+    )
+
+
+def dropout_seed(config: ConfigDict, model_config: ModelConfig) -> int | None:
+    """The train step's `rng_seed`: the run's seed when the policy has LoRA dropout (`model.lora.dropout`), else
+    None (no key is drawn)."""
+    return int(config.seed) if model_config.lora_dropout > 0 else None
 
 
 def lora_reference(params: Any, config: ModelConfig, *, lora_init_from: str | None, shardings: Any = None) -> Any:

@@ -65,8 +65,9 @@ from feynrl_jax.train.microbatch import check_divisible, split_microbatches
 from feynrl_jax.train.nonfinite import all_finite
 from feynrl_jax.train.state import TrainState, create_train_state
 
-Predict = Callable[[Any, TrainBatch], tuple[jax.Array, jax.Array | None]]
-"""``(params, batch) -> (per_token [B, T] f32, entropy [B, T] f32 or None)``: what the loss is a function of."""
+Predict = Callable[..., tuple[jax.Array, jax.Array | None]]
+"""``(params, batch) -> (per_token [B, T] f32, entropy [B, T] f32 or None)``: what the loss is a function of. A
+train step with ``rng_seed`` calls it as ``predict(params, batch, rng=key)`` (LoRA dropout)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +149,11 @@ def model_logprob_fn(
             it to the loss as ``entropy=``.
 
     Returns:
-        A ``Predict``: ``(params, batch) -> (logprobs [B, T] f32, entropy [B, T] f32 or None)``.
+        A ``Predict``: ``(params, batch, rng=None) -> (logprobs [B, T] f32, entropy [B, T] f32 or None)``; ``rng``
+        is the LoRA dropout key of a training pass (``config.lora_dropout``; ``make_train_step``'s ``rng_seed``).
     """
 
-    def predict(params: Any, batch: TrainBatch) -> tuple[jax.Array, jax.Array | None]:
+    def predict(params: Any, batch: TrainBatch, rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
         return sequence_logprobs(
             params,
             batch.tokens,
@@ -163,6 +165,7 @@ def model_logprob_fn(
             chunk_size=chunk_size,
             remat=remat,
             first_column=first_column,
+            dropout_rng=rng,
         )
 
     return predict
@@ -254,6 +257,7 @@ def make_train_step(
     learning_rate_fn: optax.Schedule | None = None,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
+    rng_seed: int | None = None,
 ) -> TrainStep:
     """Builds the jitted train step from its parts.
 
@@ -278,6 +282,9 @@ def make_train_step(
         donate: donate the input state's buffers to the output (halves peak memory; the input is consumed).
         compiler_options: XLA options for this program (e.g. ``{"xla_backend_optimization_level": 0}`` to
             compile tiny CPU test models fast, or GPU scheduler flags).
+        rng_seed: when set, ``predict`` is called with ``rng=``: a key folded from ``(rng_seed, state.step,
+            micro-batch index)`` (LoRA dropout, ``model_logprob_fn``). It depends on nothing else, so a resumed run
+            draws the masks the uninterrupted run drew, and the micro-batches of one step draw different ones.
 
     Returns:
         A ``TrainStep``: call it as ``state, metrics = step(state, batch)`` (``metrics``: ``{name: Metric}``, see
@@ -304,16 +311,26 @@ def make_train_step(
     )
     traces = [0]
 
-    def micro_loss(trained: Any, frozen: Any, micro: TrainBatch) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
-        per_token, entropy = predict(lora.union(frozen, trained), micro)
+    def micro_loss(
+        trained: Any, frozen: Any, micro: TrainBatch, rng: jax.Array | None
+    ) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
+        params = lora.union(frozen, trained)
+        per_token, entropy = predict(params, micro) if rng is None else predict(params, micro, rng=rng)
         extra = {} if entropy is None else {"entropy": entropy}
         loss_sum, metrics = loss_fn(per_token.astype(jnp.float32), micro, **extra)
         return loss_sum.total, (loss_sum.denom, metrics)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def micro_grads(params: Any, frozen: Any, micro: TrainBatch) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
-        (total, (denom, metrics)), grads = grad_fn(params, frozen, _constrain_batch(micro, mesh))
+    def micro_rng(step: jax.Array, index: int | jax.Array) -> jax.Array | None:
+        if rng_seed is None:
+            return None
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(rng_seed), step), index)
+
+    def micro_grads(
+        params: Any, frozen: Any, micro: TrainBatch, rng: jax.Array | None
+    ) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
+        (total, (denom, metrics)), grads = grad_fn(params, frozen, _constrain_batch(micro, mesh), rng)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grads = jax.lax.with_sharding_constraint(grads, trained_shardings)
         return grads, total.astype(jnp.float32), denom.astype(jnp.float32), metrics
@@ -323,19 +340,20 @@ def make_train_step(
         traces[0] += 1
         params = state.params
         if grad_accum == 1:
-            grads, total, denom, metrics = micro_grads(params, frozen, batch)
+            grads, total, denom, metrics = micro_grads(params, frozen, batch, micro_rng(state.step, 0))
         else:
             micro = split_microbatches(batch, grad_accum, rows_per_example)
 
             def body(carry, one):
                 g_acc, t_acc, d_acc = carry
-                g, t, d, m = micro_grads(params, frozen, one)
+                one, index = one
+                g, t, d, m = micro_grads(params, frozen, one, micro_rng(state.step, index))
                 return (jax.tree.map(jnp.add, g_acc, g), t_acc + t, d_acc + d), m
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             zeros = jax.lax.with_sharding_constraint(zeros, trained_shardings)
             init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-            (grads, total, denom), stacked = jax.lax.scan(body, init, micro)
+            (grads, total, denom), stacked = jax.lax.scan(body, init, (micro, jnp.arange(grad_accum)))
             metrics = _fold_metrics(stacked, grad_accum)
 
         safe_denom = jnp.where(denom != 0, denom, 1.0)
@@ -430,7 +448,8 @@ def make_algorithm_train_step(
         remat: rematerialisation policy passed to the model (None: ``config.remat``).
         params_spec: the state's params (None: ``ParamsSpec.of_model(config)``; float32 master weights:
             ``ParamsSpec.of_model(config).with_master_dtype("float32")``).
-        **kwargs: ``make_train_step``'s ``grad_accum``, ``learning_rate_fn``, ``donate``, ``compiler_options``.
+        **kwargs: ``make_train_step``'s ``grad_accum``, ``learning_rate_fn``, ``donate``, ``compiler_options``,
+            ``rng_seed`` (LoRA dropout).
 
     Raises:
         ValueError: naming an unknown hyperparameter, or a critic-based algorithm (no value head here).

@@ -149,6 +149,7 @@ def run_supervised(
         params_spec=ParamsSpec.of_model(model_config).with_master_dtype(config.model.master_dtype or None),
         grad_accum=plan.grad_accum_steps,
         learning_rate_fn=schedule,
+        rng_seed=run_setup.dropout_seed(config, model_config),
     )
 
     def initial_params() -> Any:
