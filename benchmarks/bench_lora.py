@@ -1,8 +1,11 @@
-"""LoRA against full fine-tuning on one model, side by side in one process: memory, weight-sync bytes, step time.
+"""LoRA and QLoRA against full fine-tuning on one model, side by side in one process: memory, weight-sync bytes,
+step time.
 
 Model: the SmolLM2-135M architecture (30 layers, D=576, F=1536, 9 heads, tied embeddings; random weights, which
-cost the same as real ones), float32, adapters of rank `--rank` on all seven projections. Both sides build the
-real train step (`make_algorithm_train_step`, GRPO loss with a KL term, AdamW) on one CPU device and report:
+cost the same as real ones), float32, adapters of rank `--rank` on all seven projections; the QLoRA side also stores
+the base's projection kernels in NF4 (`model.lora.quantize_base="nf4"`, `feynrl_jax.models.quant`). Every side
+builds the real train step (`make_algorithm_train_step`, GRPO loss with a KL term, AdamW) on one device and
+reports:
 
 - train state bytes (params + optimizer state), from the arrays the step holds;
 - reference model bytes: full fine-tuning keeps a copy of the initial weights; a LoRA run's reference is the
@@ -14,12 +17,13 @@ real train step (`make_algorithm_train_step`, GRPO loss with a KL term, AdamW) o
 Run:
     python benchmarks/bench_lora.py --rank 16 --batch 8 --seq 128 --steps 3 --json runs/bench_lora.json
 
-Prints one JSON object with both sides and the ratios (full / LoRA).
+Prints one JSON object with every side and the ratios (full / LoRA, full / QLoRA).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -121,7 +125,8 @@ def main() -> None:
     batch = make_batch(base, args.batch, args.seq)
     full = measure(base, batch, args.steps)
     lora_side = measure(adapted, batch, args.steps)
-    ratio = lambda key: full[key] / max(lora_side[key], 1)  # noqa: E731
+    qlora_side = measure(dataclasses.replace(adapted, base_quantization="nf4"), batch, args.steps)
+    ratio = lambda key, side=lora_side: full[key] / max(side[key], 1)  # noqa: E731
     result = {
         "model": "SmolLM2-135M architecture (random weights), float32",
         "rank": args.rank,
@@ -134,6 +139,10 @@ def main() -> None:
         "ratio_sync_bytes": ratio("sync_bytes"),
         "reference_extra_bytes": {"full": full["reference_extra_bytes"], "lora": lora_side["reference_extra_bytes"]},
         "ratio_step_seconds": full["step_seconds"] / lora_side["step_seconds"],
+        "qlora": qlora_side,
+        "qlora_ratio_params_bytes": ratio("params_bytes", qlora_side),
+        "qlora_ratio_state_bytes": ratio("state_bytes", qlora_side),
+        "qlora_ratio_step_seconds": full["step_seconds"] / qlora_side["step_seconds"],
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -41,6 +41,7 @@ _PARAMS_REPLICATED: Rules = (
     ("layers", None),
     ("norm", None),
     ("lora_rank", None),  # the rank of LoRA adapters (a few to a few hundred): never split
+    ("quant_blocks", None),  # the NF4 block scales along a quantized kernel's last axis (1/64 of it): never split
 )
 
 

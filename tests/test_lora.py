@@ -295,6 +295,78 @@ def test_adapters_are_float32_and_a_bf16_base_stays_bf16(master_dtype):
         assert leaf.dtype == want, jax.tree_util.keystr(path)
 
 
+# QLoRA: the NF4 base ----------------------------------------------------------------------------------------------
+
+QCONFIG = dataclasses.replace(CONFIG, base_quantization="nf4")
+
+
+def test_nf4_picks_the_nearest_level_of_each_block_and_packs_two_codes_a_byte():
+    from feynrl_jax.models import quant
+
+    w = np.random.default_rng(0).standard_normal((3, 64, 48)).astype(np.float32)
+    w[0, 0, :] = 0.0  # a block of zeros
+    leaves = quant.quantize(jnp.asarray(w))
+    block = quant.block_size(48)
+    assert block == 48 and quant.block_size(576) == 64 and quant.block_size(8) == 8
+    assert leaves["kernel_nf4"].shape == (3, 64, 24) and leaves["kernel_nf4"].dtype == jnp.uint8
+    assert leaves["kernel_absmax"].shape == (3, 64, 1)
+    back = np.asarray(quant.dequantize(leaves, jnp.float32), np.float64)
+    # Reference in float64: each value is the nearest NF4 level of value / absmax(block), times absmax.
+    absmax = np.abs(w).astype(np.float64).max(axis=-1, keepdims=True)
+    scaled = w / np.where(absmax > 0, absmax, 1.0)
+    distance = np.abs(scaled[..., None] - quant.NF4_LEVELS.astype(np.float64))
+    want = quant.NF4_LEVELS.astype(np.float64)[distance.argmin(-1)] * absmax
+    second = np.sort(distance, axis=-1)[..., 1] - distance.min(-1)
+    clear = second > 1e-6  # values (almost) halfway between two levels may round either way in float32
+    np.testing.assert_allclose(back[clear], want[clear], rtol=1e-6, atol=0)
+    assert clear.mean() > 0.999
+    # The error is at most half the widest gap between levels (0.304, between -1 and -0.696), in block units.
+    assert (np.abs(back - w) <= 0.153 * absmax).all()
+    assert (back[0, 0] == 0).all()
+
+
+def test_the_quantized_model_computes_with_the_dequantized_kernels():
+    from feynrl_jax.models import quant
+
+    params = trained_adapters(init_params(QCONFIG, jax.random.key(0)))
+    assert quant.is_quantized(params["layers"]["down_proj"]) and "kernel" not in params["layers"]["q_proj"]
+    plain = quant.dequantize_base(params, jnp.float32)
+    unquantized = dataclasses.replace(QCONFIG, base_quantization=None)
+    # The same kernel values, multiplied the same way: equal up to how XLA fuses the dequantization (float32).
+    np.testing.assert_allclose(model_logits(params, QCONFIG), model_logits(plain, unquantized), atol=1e-5, rtol=0)
+    # Merging dequantizes the base too: a plain model (no NF4 leaf, no adapter) computing the same.
+    merged = lora.merge(params, QCONFIG)
+    assert not any(quant.is_quant_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(merged)[0])
+    np.testing.assert_allclose(model_logits(merged, QCONFIG.without_lora()), model_logits(params, QCONFIG), atol=TOL)
+    spec = ParamsSpec.of_model(QCONFIG)
+    assert jax.tree.structure(spec.shape) == jax.tree.structure(params)
+
+
+def test_qlora_steps_train_the_adapters_over_a_frozen_4bit_base_on_any_mesh():
+    single, losses = train(build_step(config=QCONFIG), steps=4, config=QCONFIG)
+    assert losses[3] < losses[1]  # the same batch (train alternates two), after two updates
+    codes = single.params["layers"]["gate_proj"]["kernel_nf4"]
+    initial = init_params(QCONFIG, jax.random.key(0))["layers"]["gate_proj"]["kernel_nf4"]
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(initial))
+    # A base weight takes 4 + 32 / block bits: blocks of 16 (q, k, v: head_dim 16) to 64 here, so at most 6 bits,
+    # against bfloat16's 16 and float32's 32.
+    from feynrl_jax.models.decoder import param_shapes
+    from feynrl_jax.models.quant import PROJECTIONS
+
+    shapes = param_shapes(CONFIG)["layers"]
+    weights = sum(int(np.prod(shapes[name]["kernel"])) for name in PROJECTIONS)
+    layers = single.params["layers"]
+    stored = sum(layers[name][leaf].nbytes for name in PROJECTIONS for leaf in ("kernel_nf4", "kernel_absmax"))
+    assert 4 < stored * 8 / weights <= 6
+    # The NF4 codes and scales shard like their kernels (fsdp 4 x tensor 2): the same adapters as one device, to
+    # the tolerance of test_sharded_and_accumulated_adapter_steps_equal_one_device.
+    sharded, _ = train(build_step((1, 4, 2), "fsdp_tp", config=QCONFIG), steps=4, config=QCONFIG)
+    for a, b in zip(
+        jax.tree.leaves(lora.adapters_of(sharded.params)), jax.tree.leaves(lora.adapters_of(single.params))
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
 # PEFT folders -----------------------------------------------------------------------------------------------------
 
 
@@ -407,6 +479,15 @@ def test_lora_config_keys_are_validated():
     config.model.lora.rank, config.model.lora.dropout = 4, 1.0
     with pytest.raises(ConfigError, match=r"model.lora.dropout=1.0 must be in \[0, 1\)"):
         validation.validate(config, num_devices=1)
+    config = tiny_rl.get_config("grpo")
+    config.model.lora.quantize_base = "int4"
+    with pytest.raises(ConfigError) as error:
+        validation.validate(config, num_devices=1)
+    assert "model.lora.quantize_base" in str(error.value) and "needs model.lora.rank > 0" in str(error.value)
+    config.model.lora.rank, config.model.lora.quantize_base = 4, "nf4"
+    config.algo.reference = "/some/model"
+    with pytest.raises(ConfigError, match="a QLoRA run's reference is its own quantized base"):
+        validation.validate(config, num_devices=1)
 
 
 def test_the_run_model_config_takes_the_lora_keys(tmp_path):
@@ -416,9 +497,16 @@ def test_the_run_model_config_takes_the_lora_keys(tmp_path):
     model = base_config().model
     model.lora.rank, model.lora.alpha, model.lora.targets = 8, 4.0, ("q_proj", "down_proj")
     fields = run_setup.lora_fields(model.lora)
-    assert fields == {"lora_rank": 8, "lora_alpha": 4.0, "lora_targets": ("q_proj", "down_proj"), "lora_dropout": 0.0}
-    model.lora.dropout = 0.25
-    assert run_setup.lora_fields(model.lora)["lora_dropout"] == 0.25
+    assert fields == {
+        "lora_rank": 8,
+        "lora_alpha": 4.0,
+        "lora_targets": ("q_proj", "down_proj"),
+        "lora_dropout": 0.0,
+        "base_quantization": None,
+    }
+    model.lora.dropout, model.lora.quantize_base = 0.25, "nf4"
+    fields = run_setup.lora_fields(model.lora)
+    assert fields["lora_dropout"] == 0.25 and fields["base_quantization"] == "nf4"
     # A PEFT adapter of another rank is refused when a run starts from it, naming the key.
     folder = export_peft(init_params(CONFIG, jax.random.key(0)), CONFIG, str(tmp_path / "adapter"))
     with pytest.raises(InputError, match="config.model.lora.rank=8 but the PEFT adapter"):
@@ -550,11 +638,34 @@ def test_sft_with_lora_trains_only_adapters_resumes_exactly_and_exports(data_roo
 
 
 @pytest.mark.slow
-def test_dpo_with_lora_starts_at_log_2_against_the_base_and_learns(data_root, tmp_path):
+def test_sft_with_qlora_trains_and_exports_a_plain_model(data_root, tmp_path):
+    from feynrl_jax.checkpoints import load_hf
+    from feynrl_jax.train import sft_loop
+    from feynrl_jax.train.export import export_run
+
+    config = tiny_run_config(data_root, "sft", tmp_path / "qlora", steps=3)
+    config.model.lora.quantize_base = "nf4"
+    sft_loop.run(config)
+    losses = _losses(tmp_path / "qlora")
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    # The checkpoint holds the NF4 base (tests/test_lora_rl.py restores one and compares it exactly).
+    params = _checkpoint_params(tmp_path / "qlora")
+    assert params["layers"]["q_proj"]["kernel_nf4"].dtype == np.uint8 and "kernel" not in params["layers"]["q_proj"]
+    # The export is the plain base architecture: the NF4 base dequantized, the adapters merged in.
+    exported, exported_config = load_hf(export_run(tmp_path / "qlora", tmp_path / "export"))
+    assert exported_config.base_quantization is None and exported_config.lora_rank == 0
+    assert exported["layers"]["q_proj"]["kernel"].shape == (2, 32, 4, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize_base", ["", "nf4"])
+def test_dpo_with_lora_starts_at_log_2_against_the_base_and_learns(data_root, tmp_path, quantize_base):
     from feynrl_jax.tracking import read_metrics
     from feynrl_jax.train import dpo_loop
 
     config = tiny_run_config(data_root, "dpo", tmp_path / "dpo")
+    # QLoRA: the reference is the policy's own NF4 base, run by the base model's program in its stored form.
+    config.model.lora.quantize_base = quantize_base
     config.train.eval_every = 6
     dpo_loop.run(config)
     losses = _losses(tmp_path / "dpo")

@@ -28,13 +28,14 @@ def tree_bytes(shapes, itemsize: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.parametrize(("algo", "staleness"), [("grpo", 0), ("ppo", 1)])
-def test_rl_with_lora_syncs_adapters_only(ray_session, tmp_path, algo, staleness):
+# GRPO runs QLoRA (an NF4 base), PPO plain LoRA.
+@pytest.mark.parametrize(("algo", "staleness", "quantize_base"), [("grpo", 0, "nf4"), ("ppo", 1, "")])
+def test_rl_with_lora_syncs_adapters_only(ray_session, tmp_path, algo, staleness, quantize_base):
     from feynrl_jax.orchestration import rl_loop
     from feynrl_jax.train.rl_trainer import RLTrainer
 
     config = tiny_rl.get_config(algo)
-    config.run_dir = str(tmp_path / algo)
+    config.run_dir = str(tmp_path / f"{algo}{quantize_base}")
     config.eval.during_training = False
     config.train.steps = 3
     config.train.max_staleness = staleness
@@ -42,6 +43,8 @@ def test_rl_with_lora_syncs_adapters_only(ray_session, tmp_path, algo, staleness
         config.algo.kl_coef = 0.05
         config.algo.reference = "initial"
     config.model.lora.rank = 4
+    # QLoRA: the NF4 base is published once as it is stored; the native engine dequantizes it as the trainer does.
+    config.model.lora.quantize_base = quantize_base
     rl_loop.run(config)
     records = read_metrics(config.run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]

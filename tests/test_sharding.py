@@ -27,7 +27,7 @@ from feynrl_jax.sharding import (
 )
 
 # Every logical name of docs/CONTRACTS.md.
-PARAM_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "lora_rank")
+PARAM_NAMES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "norm", "lora_rank", "quant_blocks")
 
 # A params-like pytree with contract logical axes: L=2, D=16, H=4, K=2, Dh=8, F=32, V=64.
 AXES = {

@@ -54,6 +54,8 @@ def base_config() -> ConfigDict:
     config.model.lora = ConfigDict()
     config.model.lora.rank = 0  # r; 0: full fine-tuning.
     config.model.lora.alpha = 16.0  # The adapters' output is scaled by alpha / rank.
+    # QLoRA: "nf4" stores the frozen base's projection kernels in 4-bit NormalFloat blocks (docs/LORA.md); "": none.
+    config.model.lora.quantize_base = ""
     config.model.lora.dropout = 0.0  # Dropout on the adapters' inputs in training passes (PEFT's lora_dropout).
     config.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     config.model.lora.init_from = placeholder(str)  # A PEFT adapter folder to start from (its r, alpha, targets).

@@ -119,6 +119,14 @@ def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
             num_devices *= config.ray.trainer_processes
     _check_top(config, bad)
     _check_model(config.model, bad)
+    lora = config.model.lora
+    if lora.rank and lora.quantize_base and config.algo.reference not in ("initial", "none"):
+        bad(
+            "model.lora.quantize_base",
+            f"model.lora.quantize_base={lora.quantize_base!r} with algo.reference={config.algo.reference!r}: a QLoRA "
+            "run's reference is its own quantized base (algo.reference='initial'); a reference folder would be a "
+            "second, unquantized model.",
+        )
     _check_data(config, bad)
     _check_optim(config.optim, config.train.steps, bad)
     _check_batches(config, bad, num_devices)
@@ -233,10 +241,16 @@ def _check_lora(lora, bad):
     if not lora.rank:
         if lora.init_from:
             bad("model.lora.init_from", "model.lora.init_from needs model.lora.rank > 0 (the adapter's r).")
+        if lora.quantize_base:
+            bad(
+                "model.lora.quantize_base",
+                "model.lora.quantize_base needs model.lora.rank > 0 (QLoRA trains adapters).",
+            )
         return
     _positive(bad, "model.lora.alpha", lora.alpha)
     if not 0.0 <= lora.dropout < 1.0:
         bad("model.lora.dropout", f"model.lora.dropout={lora.dropout} must be in [0, 1).")
+    _choice(bad, "model.lora.quantize_base", lora.quantize_base, ("", "nf4"))
     targets = tuple(lora.targets)
     unknown = sorted(set(targets) - set(LORA_TARGETS))
     if unknown or not targets:

@@ -71,6 +71,9 @@ class ModelConfig:
         lora_targets: the projections that carry adapters, a subset of `LORA_TARGETS`.
         lora_dropout: probability of zeroing each input element of an adapter (not of the frozen projection),
             in training forward passes that are given a key (`forward`'s `dropout_rng`); 0: none.
+        base_quantization: "nf4": the seven projection kernels are stored in 4-bit NormalFloat blocks (QLoRA,
+            `feynrl_jax.models.quant`: leaves `kernel_nf4`, `kernel_absmax` instead of `kernel`) and dequantized
+            where used; None: stored in `param_dtype`.
     """
 
     architecture: str = "llama"
@@ -100,6 +103,7 @@ class ModelConfig:
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
+    base_quantization: str | None = None
 
     def __post_init__(self):
         def fail(key, message):
@@ -142,6 +146,14 @@ class ModelConfig:
             fail("lora_alpha", f"must be positive, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             fail("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        if self.base_quantization is not None:
+            if self.base_quantization != "nf4":
+                fail("base_quantization", f"must be None or 'nf4', got {self.base_quantization!r}")
+            odd = [n for n in ("hidden_size", "intermediate_size", "head_dim") if getattr(self, n) % 2]
+            if odd:
+                fail(
+                    "base_quantization", f"NF4 packs two codes per byte along a kernel's last axis: {odd} must be even"
+                )
 
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         """`rope_scaling` as a plain dict (or None)."""
@@ -161,10 +173,21 @@ class ModelConfig:
         return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
     def without_lora(self) -> ModelConfig:
-        """This config without adapters: the base model (the reference, the merged export, the rollout engine)."""
+        """This config without adapters and with a plain (unquantized) base: the base model's architecture (the
+        merged export, the evaluation's merged weights, a critic, a reference folder)."""
         return dataclasses.replace(
-            self, lora_rank=0, lora_alpha=ModelConfig.lora_alpha, lora_targets=(), lora_dropout=0.0
+            self,
+            lora_rank=0,
+            lora_alpha=ModelConfig.lora_alpha,
+            lora_targets=(),
+            lora_dropout=0.0,
+            base_quantization=None,
         )
+
+    def frozen_base(self) -> ModelConfig:
+        """This config without adapters, its base stored as the policy's is (NF4 under QLoRA): the config of
+        `lora.base_params(params)`, the reference model of a LoRA run."""
+        return dataclasses.replace(self.without_lora(), base_quantization=self.base_quantization)
 
     @property
     def num_params(self) -> int:

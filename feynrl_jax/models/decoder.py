@@ -28,13 +28,14 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from feynrl_jax.models import lora
+from feynrl_jax.models import lora, quant
 from feynrl_jax.models.attention import attend, cache_mask, packed_mask, within_window
 from feynrl_jax.models.config import LORA_TARGETS, ModelConfig
 from feynrl_jax.models.rope import apply_rope, rope_cos_sin
@@ -119,6 +120,9 @@ def param_shapes(config: ModelConfig) -> Params:
         kernels = {target: layers[target]["kernel"] for target in c.lora_targets}
         for target, leaves in lora.adapter_shapes(c, kernels).items():
             layers[target].update(leaves)
+    if c.base_quantization:  # NF4 codes and block scales instead of each projection kernel (feynrl_jax.models.quant)
+        for name in quant.PROJECTIONS:
+            layers[name].update(quant.quantized_shapes(layers[name].pop("kernel")))
     return shapes
 
 
@@ -137,6 +141,9 @@ def init_params(config: ModelConfig, rng: jax.Array) -> Params:
     Returns:
         The params pytree in `param_dtype` (built in one jitted program).
     """
+    if config.base_quantization:  # random kernels, then quantized
+        plain = dataclasses.replace(config, base_quantization=None)
+        return jax.jit(quant.quantize_base)(_init_params(plain, rng))
     return _init_params(config, rng)
 
 
@@ -165,10 +172,12 @@ def as_param_dtype(params: Params, config: ModelConfig) -> Params:
 
     A train state may hold wider master weights (float32 masters of a bfloat16 model, `model.master_dtype`);
     `forward`, `logits`, the native engine and the trainer's weight publication round them to `param_dtype`
-    here. Leaves already in `param_dtype` are returned as they are (no copy, no op under jit).
+    here. Leaves already in `param_dtype` are returned as they are (no copy, no op under jit), and so are the NF4
+    leaves of a quantized base.
     """
     dtype = jnp.dtype(config.param_dtype)
-    return jax.tree.map(lambda p: p.astype(dtype), params)
+    # NF4 codes and their float32 block scales stay as they are (`quant.dequantize` makes the compute dtype).
+    return jax.tree_util.tree_map_with_path(lambda path, p: p if quant.is_quant_path(path) else p.astype(dtype), params)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -197,7 +206,7 @@ def _dense(x: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | 
     `dropout = (key, rate)` drops elements of the adapters' input `x` (inverted dropout, scaled by
     `1 / (1 - rate)`), as PEFT's `lora_dropout` does; the frozen projection sees `x` whole."""
     n = x.shape[-1]
-    out = _matmul(x, proj["kernel"].reshape(n, -1), dtype)
+    out = _matmul(x, quant.kernel(proj, dtype).reshape(n, -1), dtype)
     if "lora_a" in proj:
         a, b = proj["lora_a"], proj["lora_b"]
         rank = a.shape[-1]
@@ -212,8 +221,16 @@ def _dense(x: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | 
 
 def _project(h: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | None = None) -> jax.Array:
     """`h [B, T, D]` through a `[D, heads, Dh]` projection (`_dense`) to `[B, T, heads, Dh]`."""
-    _, heads, head_dim = proj["kernel"].shape
+    heads, head_dim = _kernel_shape(proj)[-2:]
     return _dense(h, proj, dtype, lora_scale, dropout).reshape(*h.shape[:2], heads, head_dim)
+
+
+def _kernel_shape(proj: dict) -> tuple[int, ...]:
+    """A projection kernel's shape, also when it is stored in NF4 (two codes per byte along the last axis)."""
+    if quant.is_quantized(proj):
+        *lead, half = proj["kernel_nf4"].shape
+        return (*lead, 2 * half)
+    return proj["kernel"].shape
 
 
 def _remat_policy(name: str):

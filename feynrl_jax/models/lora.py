@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from feynrl_jax.models import quant
 from feynrl_jax.models.config import ModelConfig
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
@@ -204,13 +205,14 @@ def _init_adapters(config: ModelConfig, rng: jax.Array) -> dict:
 def merge(params: dict, config: ModelConfig) -> dict:
     """The base params with every adapter folded into its kernel: `W + (alpha / r) A B` (computed in float32,
     stored in the kernel's dtype). The result has no adapter leaves and computes what `params` computes (up to
-    rounding); `config.without_lora()` describes it.
+    rounding); `config.without_lora()` describes it. An NF4 base (QLoRA) is dequantized first, to `param_dtype`.
 
     Args:
         params: params with adapters (stacked layers), as `forward` takes them.
         config: the model config (its `lora_scale`).
     """
     base, adapters = split(params)
+    base = quant.dequantize_base(base, jnp.dtype(config.param_dtype))
     layers = dict(base["layers"])
     for target, leaves in adapters.get("layers", {}).items():
         kernel = layers[target]["kernel"]

@@ -56,4 +56,8 @@ def _axes_of(path, shape) -> tuple[str, ...]:
     if lora.is_adapter_path(path):  # layers/<target>/lora_a|lora_b: the kernel's axes around the rank axis
         target = name.split("/")[-2]
         return lora.adapter_axes(_AXES[f"layers/{target}/kernel"], target)[name.split("/")[-1]]
+    if name.endswith("/kernel_nf4"):  # NF4 codes: the kernel's axes (the last one holds two codes per byte)
+        return _AXES[name.removesuffix("_nf4")]
+    if name.endswith("/kernel_absmax"):  # NF4 block scales: the kernel's axes, blocks on the last (never split)
+        return (*_AXES[name.removesuffix("_absmax")][:-1], "quant_blocks")
     return _AXES[name]

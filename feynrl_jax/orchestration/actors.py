@@ -293,18 +293,18 @@ class RolloutWorker:
         nbytes = float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(weights).values()))
         lora_sync = snapshot.base is not None  # a LoRA run: `weights` are the adapters alone
         vllm = self.spec.kind == "vllm"
+        base = None
         if lora_sync and not self.base_loaded:  # the base, once per worker
             base = fetch_snapshot(snapshot, base=True)
             nbytes += float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(base).values()))
-            if vllm:
-                self.engine.load_weights(base, snapshot.version)
-            else:  # the native engine is built below, with base and adapters
+            if not vllm:  # the native engine is built below, with base and adapters
                 from feynrl_jax.models import lora
 
                 weights = lora.combine(base, weights)
-            self.base_loaded = True
         fetched = time.perf_counter()
         if vllm and lora_sync:
+            if base is not None:
+                self.engine.load_weights(base, snapshot.version)
             self.engine.load_adapter_weights(weights, snapshot.version)
         elif vllm:
             self.engine.load_weights(weights, snapshot.version)
@@ -320,6 +320,7 @@ class RolloutWorker:
             )
         else:
             self.engine.load_params(weights, snapshot.version)
+        self.base_loaded = self.base_loaded or base is not None
         self.version = snapshot.version
         return {
             "load_seconds": time.perf_counter() - t0,

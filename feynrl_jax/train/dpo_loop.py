@@ -184,7 +184,7 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
     reference_fn = logprob_fn
     if context.model_config.lora_rank and not lora.adapters_of(reference):
         reference_fn = make_logprob_fn(
-            context.model_config.without_lora(), step.mesh, context.rules, chunk_rows=2 * micro_pairs
+            context.model_config.frozen_base(), step.mesh, context.rules, chunk_rows=2 * micro_pairs
         )
     batches = build_mixture_from_config(
         config.data,

@@ -411,7 +411,7 @@ class RLTrainer:
         self.reference_logprobs = self.logprobs
         if self.model_config.lora_rank:
             self.reference_logprobs = make_logprob_fn(
-                self.model_config.without_lora(), self.mesh, self.rules, **logprob_settings
+                self.model_config.frozen_base(), self.mesh, self.rules, **logprob_settings
             )
         self.critic_step = None
         if self.algorithm.needs_critic:

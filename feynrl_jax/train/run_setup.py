@@ -28,7 +28,7 @@ from ml_collections import ConfigDict
 from feynrl_jax.checkpoints import convert_gguf, load_hf, load_tokenizer, smollm2_checkpoint_dir
 from feynrl_jax.config.errors import ConfigError, Problem
 from feynrl_jax.errors import InputError
-from feynrl_jax.models import ModelConfig, init_params, lora
+from feynrl_jax.models import ModelConfig, init_params, lora, quant
 from feynrl_jax.sharding import get_rules, make_mesh, mesh_shape, place_tree
 from feynrl_jax.train.optimizer import make_optimizer
 
@@ -158,6 +158,7 @@ def lora_fields(lora_cfg: ConfigDict) -> dict[str, Any]:
         lora_alpha=float(lora_cfg.alpha),
         lora_targets=tuple(lora_cfg.targets),
         lora_dropout=float(lora_cfg.dropout),
+        base_quantization=lora_cfg.quantize_base or None,
     )
 
 
@@ -215,7 +216,14 @@ def load_params(
     if config.lora_rank:
         base_shardings, adapter_shardings = (None, None) if shardings is None else lora.split(shardings)
         # The base: the weights a run without LoRA would start from (the same random ones for the same seed).
-        base = load_params(config.without_lora(), source, seed=seed, shardings=base_shardings)
+        if config.base_quantization:  # QLoRA: loaded as they are, then quantized where they will live
+            base = load_params(config.without_lora(), source, seed=seed)
+            quantize = (
+                jax.jit(quant.quantize_base, out_shardings=base_shardings) if base_shardings else quant.quantize_base
+            )
+            base = quantize(base)
+        else:
+            base = load_params(config.without_lora(), source, seed=seed, shardings=base_shardings)
         if lora_init_from:
             adapters = _peft_adapters(lora_init_from, config, adapter_shardings)
         else:
