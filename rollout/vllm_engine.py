@@ -361,7 +361,7 @@ class VLLMEngine:
           ValueError: a parameter is missing or has the wrong shape (the message names its path), or the params
             carry adapters and the engine was started without `lora_config`.
         """
-        from feynrl_jax.models import lora
+        from feynrl_jax.models import lora, quant
 
         adapters = lora.adapters_of(params) if isinstance(params, Mapping) else {}
         if adapters and self.lora_config is None:
@@ -370,7 +370,8 @@ class VLLMEngine:
                 "lora_config (pass the policy's ModelConfig, or merge them first: lora.merge)"
             )
         try:
-            tensors = dict(self.hf_weights(lora.base_params(params) if adapters else params))
+            base = quant.dequantize_base(lora.base_params(params), np.float32) if adapters else params
+            tensors = dict(self.hf_weights(base))
         except KeyError as e:
             raise ValueError(f"VLLMEngine.load_params: {e.args[0]}") from e
         self.load_weights(tensors, version)

@@ -480,6 +480,10 @@ def test_lora_config_keys_are_validated():
     with pytest.raises(ConfigError, match=r"model.lora.dropout=1.0 must be in \[0, 1\)"):
         validation.validate(config, num_devices=1)
     config = tiny_rl.get_config("grpo")
+    config.model.lora.dropout = 0.1
+    with pytest.raises(ConfigError, match="model.lora.dropout needs model.lora.rank > 0"):
+        validation.validate(config, num_devices=1)
+    config = tiny_rl.get_config("grpo")
     config.model.lora.quantize_base = "int4"
     with pytest.raises(ConfigError) as error:
         validation.validate(config, num_devices=1)

@@ -28,15 +28,16 @@ def tree_bytes(shapes, itemsize: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.ray
-# GRPO runs QLoRA (an NF4 base), PPO plain LoRA.
-@pytest.mark.parametrize(("algo", "staleness", "quantize_base"), [("grpo", 0, "nf4"), ("ppo", 1, "")])
+# GRPO runs plain LoRA; PPO runs QLoRA (an NF4 base; its critic a plain model) with the held-out evaluation on (the
+# trainer's engine gets the merged, dequantized weights).
+@pytest.mark.parametrize(("algo", "staleness", "quantize_base"), [("grpo", 0, ""), ("ppo", 1, "nf4")])
 def test_rl_with_lora_syncs_adapters_only(ray_session, tmp_path, algo, staleness, quantize_base):
     from feynrl_jax.orchestration import rl_loop
     from feynrl_jax.train.rl_trainer import RLTrainer
 
     config = tiny_rl.get_config(algo)
     config.run_dir = str(tmp_path / f"{algo}{quantize_base}")
-    config.eval.during_training = False
+    config.eval.during_training = bool(quantize_base)
     config.train.steps = 3
     config.train.max_staleness = staleness
     if algo == "grpo":  # PPO has no KL term
@@ -47,6 +48,9 @@ def test_rl_with_lora_syncs_adapters_only(ray_session, tmp_path, algo, staleness
     config.model.lora.quantize_base = quantize_base
     rl_loop.run(config)
     records = read_metrics(config.run_dir)
+    if quantize_base:  # the held-out evaluation ran, before training and after, on the merged dequantized weights
+        assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 3]
+    records = [r for r in records if r["step"] >= 1]
     assert [r["step"] for r in records] == [1, 2, 3]
 
     trainer = RLTrainer(config)  # the model config and the final state, read back from the run folder

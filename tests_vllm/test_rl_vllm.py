@@ -8,8 +8,9 @@ tensor, shows at once: the trainer's recomputed log-probabilities of the sampled
   to float32 rounding (the mismatch KL, logged every step), TIS is on by default, and the held-out evaluation runs
   on the rollout workers;
 - async (`train.max_staleness=1`): batches one version behind, the decoupled correction, weights synced each step;
-- LoRA: the base reaches each worker once and every version is the adapters alone, which vLLM serves as a LoRA
-  adapter (started from a PEFT adapter far from zero, so an engine serving the base alone would be far off);
+- LoRA (here QLoRA: an NF4 base, dequantized for vLLM): the base reaches each worker once and every version is the
+  adapters alone, merged into the worker's base (started from a PEFT adapter far from zero, so an engine serving
+  the base alone would be far off);
 - the `rollout.vllm` keys reach `vllm.LLM`.
 """
 
@@ -120,6 +121,8 @@ def test_lora_run_on_vllm_syncs_the_adapters_alone(ray_session, tmp_path):
     config = vllm_config(tmp_path / "lora")
     targets = ("q_proj", "v_proj", "down_proj")
     config.model.lora.rank, config.model.lora.alpha, config.model.lora.targets = 4, 16.0, targets
+    # QLoRA: the trainer holds an NF4 base and publishes it dequantized (on its host CPU) for vLLM.
+    config.model.lora.quantize_base = "nf4"
     model_config = ModelConfig(**dict(config.model.arch), lora_rank=4, lora_alpha=16.0, lora_targets=targets)
     params = jax.tree.map(np.asarray, init_params(model_config, jax.random.key(0)))
     rng = np.random.default_rng(0)

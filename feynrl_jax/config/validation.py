@@ -120,7 +120,8 @@ def validate(config: ConfigDict, *, num_devices: int | None = None) -> None:
     _check_top(config, bad)
     _check_model(config.model, bad)
     lora = config.model.lora
-    if lora.rank and lora.quantize_base and config.algo.reference not in ("initial", "none"):
+    uses_reference = config.paradigm in ("dpo", "rl")
+    if lora.rank and lora.quantize_base and uses_reference and config.algo.reference not in ("initial", "none"):
         bad(
             "model.lora.quantize_base",
             f"model.lora.quantize_base={lora.quantize_base!r} with algo.reference={config.algo.reference!r}: a QLoRA "
@@ -246,6 +247,8 @@ def _check_lora(lora, bad):
                 "model.lora.quantize_base",
                 "model.lora.quantize_base needs model.lora.rank > 0 (QLoRA trains adapters).",
             )
+        if lora.dropout:
+            bad("model.lora.dropout", "model.lora.dropout needs model.lora.rank > 0 (it drops the adapters' inputs).")
         return
     _positive(bad, "model.lora.alpha", lora.alpha)
     if not 0.0 <= lora.dropout < 1.0:

@@ -134,6 +134,21 @@ def dequantize_base(params: dict, dtype: Any) -> dict:
     return {**params, "layers": layers}
 
 
+def kernel_shardings(shardings: dict) -> dict:
+    """The shardings of a quantized base's params (`quantize_base`'s layout) for the same params dequantized: each
+    projection's `kernel_nf4` sharding becomes its `kernel`'s (the same logical axes, and a split that divides the
+    halved last axis divides the whole one), `kernel_absmax` goes. Unquantized shardings are returned as they are."""
+    layers = shardings.get("layers")
+    if not isinstance(layers, dict) or not any(is_quantized(p) for p in layers.values() if isinstance(p, dict)):
+        return shardings
+    layers = dict(layers)
+    for name, proj in layers.items():
+        if isinstance(proj, dict) and is_quantized(proj):
+            rest = {k: v for k, v in proj.items() if k not in ("kernel_nf4", "kernel_absmax")}
+            layers[name] = {**rest, "kernel": proj["kernel_nf4"]}
+    return {**shardings, "layers": layers}
+
+
 def is_quant_path(path: tuple[Any, ...]) -> bool:
     """Whether a params key path is an NF4 leaf (`kernel_nf4` or `kernel_absmax`)."""
     last = path[-1] if path else None

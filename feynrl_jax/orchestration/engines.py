@@ -117,21 +117,29 @@ def publish_format(spec: EngineSpec, model_config: Any) -> PublishFormat:
     if spec.kind == "native":
         same = lambda tree: tree  # noqa: E731
         return PublishFormat(params=same, base=same, adapters=same)
-    import numpy as np
-
     from feynrl_jax.checkpoints.hf_names import hf_tensors
     from feynrl_jax.checkpoints.peft_adapters import peft_tensors
-    from feynrl_jax.models import quant
     from feynrl_jax.rollout.vllm_engine import numpy_dtype
 
     dtype = numpy_dtype(spec.dtype)
     base_config = model_config.without_lora()
     return PublishFormat(
         params=lambda params: dict(hf_tensors(params, model_config, dtype)),
-        # A QLoRA base is dequantized: vLLM loads plain weights (the NF4 values, in its dtype).
-        base=lambda base: dict(hf_tensors(quant.dequantize_base(base, np.float32), base_config, dtype)),
+        base=lambda base: dict(hf_tensors(_plain_on_host(base), base_config, dtype)),
         adapters=lambda adapters: peft_tensors(adapters, model_config),
     )
+
+
+def _plain_on_host(base: Any) -> Any:
+    """A host LoRA base as plain weights: a QLoRA base dequantized (the NF4 values, float32) on the host CPU, not on
+    the trainer's accelerator (vLLM loads plain weights)."""
+    import jax
+    import numpy as np
+
+    from feynrl_jax.models import quant
+
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return quant.dequantize_base(base, np.float32)
 
 
 def build_vllm(spec: EngineSpec, model_config: Any = None) -> Any:

@@ -58,7 +58,7 @@ from feynrl_jax.config.derived import (
 from feynrl_jax.losses import ALGORITHMS, Algorithm, TrainBatch, compute_metrics
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
-from feynrl_jax.models import ModelConfig, as_param_dtype, lora
+from feynrl_jax.models import ModelConfig, as_param_dtype, lora, quant
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
 from feynrl_jax.sharding import batch_size_multiple, host_tree, mesh_shape
 from feynrl_jax.train import run_setup
@@ -537,6 +537,8 @@ class RLTrainer:
         if latest is None:
             if self.critic_step is not None:
                 critic_backbone = lora.base_params(params) if self.model_config.lora_rank else params
+                # A QLoRA base is dequantized: the critic is a full model of the plain base architecture.
+                critic_backbone = quant.dequantize_base(critic_backbone, jnp.dtype(self.model_config.param_dtype))
                 self.critic_state = self.critic_step.init_state(
                     init_critic_params(critic_backbone, self.model_config.without_lora())
                 )

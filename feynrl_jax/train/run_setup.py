@@ -216,8 +216,9 @@ def load_params(
     if config.lora_rank:
         base_shardings, adapter_shardings = (None, None) if shardings is None else lora.split(shardings)
         # The base: the weights a run without LoRA would start from (the same random ones for the same seed).
-        if config.base_quantization:  # QLoRA: loaded as they are, then quantized where they will live
-            base = load_params(config.without_lora(), source, seed=seed)
+        if config.base_quantization:  # QLoRA: loaded into the shards of their NF4 codes, quantized there
+            plain_shardings = None if base_shardings is None else quant.kernel_shardings(base_shardings)
+            base = load_params(config.without_lora(), source, seed=seed, shardings=plain_shardings)
             quantize = (
                 jax.jit(quant.quantize_base, out_shardings=base_shardings) if base_shardings else quant.quantize_base
             )

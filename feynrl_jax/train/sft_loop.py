@@ -15,7 +15,7 @@ from ml_collections import ConfigDict
 
 from feynrl_jax.data.from_config import build_mixture_from_config, build_sources_from_config
 from feynrl_jax.eval.evaluate import GenerationEvaluator, evaluator_from_config
-from feynrl_jax.models import ModelConfig, as_param_dtype, lora
+from feynrl_jax.models import ModelConfig, as_param_dtype, lora, quant
 from feynrl_jax.sharding import host_tree
 from feynrl_jax.train.run_lock import RunLock
 from feynrl_jax.train.supervised_loop import RunContext, SupervisedTask, place, run_supervised, sft_train_batch
@@ -74,8 +74,8 @@ def generation_evaluation(
     `<run_dir>/eval_results_step<N>.json`) of a run whose trainer holds params at `param_shardings`."""
     evaluator = None
     if jax.process_index() == 0:
-        if model_config.lora_rank:  # the engine gets merged weights (GenerationOnPrimary)
-            param_shardings = lora.base_params(param_shardings)
+        if model_config.lora_rank:  # the engine gets merged weights (GenerationOnPrimary), a QLoRA base dequantized
+            param_shardings = quant.kernel_shardings(lora.base_params(param_shardings))
         evaluator = evaluator_from_config(
             config,
             model_config.without_lora(),
