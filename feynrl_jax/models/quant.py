@@ -18,7 +18,9 @@ Layout (`model.lora.quantize_base = "nf4"`, `ModelConfig.lora_quantize_base`): e
 with blocks along the last output axis (`last`), `block` its largest divisor up to 64 (QLoRA's block size). A
 weight costs 4 + 32 / block bits (4.5 at block 64) instead of 16 (bfloat16) or 32. The model dequantizes a kernel
 inside the layer that uses it (`dequantize`, under the scanned layers: one layer's kernel at a time, in the compute
-dtype), so the whole base is never held unquantized; gradients reach the adapters only.
+dtype); at rest (state, checkpoints, weight syncs) the base is NF4. In a train step without rematerialisation the
+backward pass keeps each layer's dequantized kernels as residuals; `remat` "dots" or "full" recomputes them.
+Gradients reach the adapters only.
 """
 
 from __future__ import annotations
