@@ -29,18 +29,9 @@ import sys
 import tempfile
 import time
 
+from bench_lora import SMOLLM2_135M  # noqa: E402  (this folder; the one SmolLM2-135M architecture of the benchmarks)
+
 SIDES = ("full", "merge", "adapter")
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    tie_word_embeddings=True,
-    rope_theta=100000.0,
-)
 
 
 def run_side(args: argparse.Namespace) -> dict:
