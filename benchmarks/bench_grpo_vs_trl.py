@@ -13,7 +13,8 @@ Usage:
     python benchmarks/bench_grpo_vs_trl.py --steps 4 --prompts 4 --group 8 --max-new-tokens 32
     python benchmarks/bench_grpo_vs_trl.py --which ours      # one side only
 
-Output: one JSON line per side and a summary line with the ratio `trl_seconds_per_step / ours_seconds_per_step`.
+Output: one JSON line per side and a summary line with the ratio `trl_seconds_per_step / ours_seconds_per_step`
+and each side's peak resident memory (`run_side`: the sum over the side's process tree, Ray's processes included).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from feynrl_jax.host_memory import reexec_with_huge_pages
@@ -68,6 +70,7 @@ def run_ours(args) -> dict:
     config.eval.max_new_tokens = args.max_new_tokens
     config.rollout.max_slots = args.prompts * args.group
     config.optim.lr = args.lr
+    config.model.remat = args.remat
     config.train.steps = args.steps
     config.train.global_batch_size = args.prompts * args.group
     config.eval.during_training = False
@@ -86,6 +89,10 @@ def run_ours(args) -> dict:
         # Where a step's time goes (mean of the steps after the first).
         "time_split_seconds": {k: sum(r.get(f"perf/{k}_seconds", 0.0) for r in later) / len(later) for k in split},
         "shared_prefix": records[-1].get("train/shared_prefix", 0.0),
+        "micro_batch_size": records[-1].get("train/micro_batch_size"),
+        "micro_batches": records[-1].get("train/micro_batches"),
+        "micro_batches_run": records[-1].get("train/micro_batches_run"),
+        "pack_fill": records[-1].get("train/pack_fill"),
     }
 
 
@@ -176,6 +183,48 @@ def summarise(name: str, result: dict) -> dict:
     }
 
 
+def run_side(command: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
+    """Runs one side's subprocess; returns it and the peak of the summed resident memory of its process tree
+    (the side's own process and everything it starts: Ray's raylet, GCS, the trainer and rollout actors, reward
+    workers), sampled every 0.2 s."""
+    import psutil
+
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+    at_peak: dict[str, float] = {}
+    done = threading.Event()
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        while not done.is_set():
+            try:
+                tree = [root, *root.children(recursive=True)]
+                total, parts = 0, {}
+                for p in tree:
+                    try:
+                        rss = p.memory_info().rss
+                        name = (p.cmdline() or [p.name()])[0].split("/")[-1][:40]
+                    except psutil.Error:
+                        continue
+                    total += rss
+                    parts[name] = parts.get(name, 0) + rss
+                if total > peak[0]:
+                    peak[0] = total
+                    at_peak.clear()
+                    at_peak.update({k: round(v / 2**30, 2) for k, v in parts.items() if v > 2**27})
+            except psutil.Error:
+                pass
+            done.wait(0.2)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    stdout, stderr = proc.communicate()
+    done.set()
+    thread.join()
+    print(f"peak resident memory by process (GiB): {json.dumps(at_peak)}", file=sys.stderr, flush=True)
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), peak[0] / 2**30
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
@@ -183,6 +232,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--remat", choices=("none", "dots", "full"), default="none", help="ours: model.remat")
     parser.add_argument("--which", choices=("both", "ours", "trl"), default="both")
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # the subprocess's role
     parser.add_argument("--workdir", default=None)
@@ -199,12 +249,12 @@ def main() -> None:
     for side in sides:
         command = [sys.executable, __file__, "--side", side, "--workdir", workdir]
         command += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
-        command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr)]
-        out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr), "--remat", args.remat]
+        out, peak_gib = run_side(command, env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not lines:
-            raise SystemExit(f"{side} failed (exit {out.returncode}):\n{out.stderr[-4000:]}")
-        results[side] = json.loads(lines[-1].removeprefix("RESULT "))
+            raise SystemExit(f"{side} failed (exit {out.returncode}, peak {peak_gib:.1f} GiB):\n{out.stderr[-4000:]}")
+        results[side] = json.loads(lines[-1].removeprefix("RESULT ")) | {"peak_rss_gib": peak_gib}
         print(json.dumps(results[side]), flush=True)
     if len(results) == 2:
         ratio = results["trl"]["seconds_per_step"] / results["ours"]["seconds_per_step"]
@@ -215,6 +265,8 @@ def main() -> None:
                     "ours_seconds_per_step": results["ours"]["seconds_per_step"],
                     "trl_seconds_per_step": results["trl"]["seconds_per_step"],
                     "speedup_vs_trl": ratio,
+                    "ours_peak_rss_gib": results["ours"]["peak_rss_gib"],
+                    "trl_peak_rss_gib": results["trl"]["peak_rss_gib"],
                 }
             ),
             flush=True,

@@ -97,7 +97,15 @@ def base_config() -> ConfigDict:
     config.train = ConfigDict()
     config.train.steps = 100  # Optimizer phases (RL: rollout + `ppo_epochs` x `mini_batches` updates).
     config.train.global_batch_size = 16  # Sequences per phase across all devices (RL: prompts x n_samples).
-    config.train.micro_batch_size = 0  # Sequences per forward/backward; 0: the whole mini-batch at once.
+    # Sequences per forward/backward pass. 0: SFT and DPO the whole mini-batch; RL by memory (`micro_batch_tokens`,
+    # feynrl_jax/train/token_budget.py). RL refuses a value whose estimated step exceeds the free memory.
+    config.train.micro_batch_size = 0
+    # RL with micro_batch_size=0: token slots (rows x width) per forward/backward pass; 0: the most whose
+    # estimated activations fit a share of the training device's free memory.
+    config.train.micro_batch_tokens = 0
+    # RL: pack each mini-batch's sequences into as few rows as they fit in and skip the micro-batches left empty
+    # (train/packed_units.py): updates cost their real tokens. Applies when a mini-batch runs in several micro-batches.
+    config.train.pack_sequences = True
     config.train.ppo_epochs = 1  # Passes over each RL batch.
     config.train.mini_batches = 1  # Optimizer updates per pass (the batch is split into this many).
     config.train.log_every = 1  # Steps between metric writes.

@@ -353,6 +353,13 @@ def _check_batches(config, bad, num_devices):
     for key in ("steps", "global_batch_size", "ppo_epochs", "mini_batches", "log_every"):
         _at_least(bad, f"train.{key}", train[key], 1)
     _at_least(bad, "train.micro_batch_size", train.micro_batch_size, 0)
+    _at_least(bad, "train.micro_batch_tokens", train.micro_batch_tokens, 0)
+    if train.micro_batch_size > 0 and train.micro_batch_tokens > 0:
+        bad(
+            "train.micro_batch_tokens",
+            f"train.micro_batch_tokens={train.micro_batch_tokens} sizes micro-batches by tokens, but "
+            f"train.micro_batch_size={train.micro_batch_size} fixes them; set one of the two to 0.",
+        )
     _at_least(bad, "train.eval_every", train.eval_every, 0)
     _choice(bad, "train.shared_prefix", train.shared_prefix, SHARED_PREFIX_MODES)
     if train.global_batch_size < 1 or train.mini_batches < 1 or train.micro_batch_size < 0:

@@ -61,17 +61,25 @@ from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig, as_param_dtype, lora, quant
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
 from feynrl_jax.sharding import batch_size_multiple, host_tree, mesh_shape
-from feynrl_jax.train import run_setup
+from feynrl_jax.train import run_setup, token_budget
 from feynrl_jax.train.critic import critic_params_spec, critic_values, init_critic_params, make_critic_train_step
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
 from feynrl_jax.train.loss_parts import logprob_diagnostic_metrics, old_logprobs_from_current, with_logprob_diagnostics
 from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
+from feynrl_jax.train.packed_units import pack_units
 from feynrl_jax.train.rl_batch import rollouts_to_batch, scatter_completion, sequence_reward_at_last_token
 from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_prefix_rows
 from feynrl_jax.train.state import TrainState
 from feynrl_jax.train.step import ParamsSpec, make_train_step, model_logprob_fn
 
 log = logging.getLogger(__name__)
+
+
+# With packing and micro-batches sized by memory, a mini-batch is split at least this finely: the update skips
+# whole micro-batches, so with M of them up to 1/M of the slots is rounding. benchmarks/bench_rl_update.py (SmolLM2-135M
+# on a CPU, 4 groups of 8 at 64 new tokens) packs the 4 group rows into 3: in 4 micro-batches of one group, 3 run
+# (0.79x the unpacked update's time, measured); in 2 micro-batches of two groups, both would.
+PACKED_MIN_MICRO_BATCHES = 4
 
 
 def algorithm_values(config: ConfigDict) -> dict[str, Any]:
@@ -130,6 +138,9 @@ class RLSettings:
         group_size: `rollout.n_samples`.
         completion_width: a group's completions at most (`n_samples * max_new_tokens`).
         shared_prefix: `train.shared_prefix` ("auto", "on", "off").
+        micro_batch_size, micro_batch_tokens: `train.micro_batch_size` and `train.micro_batch_tokens` (the trainer
+            sizes its micro-batches from them, `token_budget.rl_micro_batch`).
+        pack_sequences: `train.pack_sequences` (`packed_units`).
         reference: `algo.reference` ("none", "initial" or a model folder).
         uses_reference: whether the reference model runs (`uses_reference`).
         gae_gamma, gae_lambda: PPO's GAE.
@@ -153,6 +164,9 @@ class RLSettings:
     group_size: int
     completion_width: int
     shared_prefix: str
+    micro_batch_size: int
+    micro_batch_tokens: int
+    pack_sequences: bool
     reference: str
     uses_reference: bool
     gae_gamma: float
@@ -186,6 +200,9 @@ def rl_settings(config: ConfigDict) -> RLSettings:
         group_size=rollout.n_samples,
         completion_width=rollout.n_samples * rollout.max_new_tokens,
         shared_prefix=train.shared_prefix,
+        micro_batch_size=train.micro_batch_size,
+        micro_batch_tokens=train.micro_batch_tokens,
+        pack_sequences=bool(train.pack_sequences),
         reference=algo.reference,
         uses_reference=uses_reference(config),
         gae_gamma=algo.gae_gamma,
@@ -368,14 +385,28 @@ class RLTrainer:
         self.config = config
         self.settings = settings = rl_settings(config)
         self.algorithm = settings.algorithm
-        self.plan = settings.plan
         self.source = run_setup.resolve_model_source(config.model, config.run_dir)
         self.tokenizer = run_setup.load_run_tokenizer(self.source)
         self.model_config: ModelConfig = run_setup.model_config(config.model, self.source, self.tokenizer)
         self.mesh, self.rules = run_setup.build_mesh(config.mesh)
         self.pad_id = self.model_config.pad_token_id if self.model_config.pad_token_id is not None else 0
         self.total_updates = settings.steps * settings.ppo_epochs * settings.mini_batches
+        self.micro_choice = token_budget.rl_micro_batch(
+            settings.plan,
+            self.model_config,
+            micro_batch_size=settings.micro_batch_size,
+            micro_batch_tokens=settings.micro_batch_tokens,
+            seq_len=settings.seq_len,
+            group_size=settings.group_size,
+            shared_width=settings.prompt_width + settings.completion_width,
+            shards=batch_size_multiple(self.mesh),
+            min_micro_batches=PACKED_MIN_MICRO_BATCHES if settings.pack_sequences else 1,
+        )
+        self.plan = self.micro_choice.plan
         self.shared_prefix = self._choose_shared_prefix()
+        # Packing moves completions off the columns they have in the unpacked layout, so the update's output
+        # projection runs from column 1 (the no-grad passes, unpacked, still skip the prompts).
+        self.pack = settings.pack_sequences and self.plan.grad_accum_steps > 1
         first_column = settings.prompt_width if self.shared_prefix else 1
         # Rows per forward pass: a micro-batch's samples, or its groups in the shared-prefix layout.
         chunk_rows = self.plan.micro_batch_size // (settings.group_size if self.shared_prefix else 1)
@@ -388,7 +419,7 @@ class RLTrainer:
         predict = model_logprob_fn(
             self.model_config,
             temperature=settings.temperature,
-            first_column=first_column,
+            first_column=1 if self.pack else first_column,
             with_entropy=self.algorithm.uses_entropy or not settings.separate_old_pass,
         )
         self.train_step = make_train_step(
@@ -641,11 +672,15 @@ class RLTrainer:
         order = np.random.default_rng(shuffle_seed)
         units = batch.tokens.shape[0]  # samples, or groups in the shared-prefix layout
         size = units // self.settings.mini_batches
-        records, critic_records = [], []
+        records, critic_records, packing = [], [], []
         for _ in range(self.settings.ppo_epochs):
             perm = order.permutation(units)
             for m in range(self.settings.mini_batches):
-                mini = self.train_step.place_batch(_rows(batch, perm[m * size : (m + 1) * size]))
+                mini = _rows(batch, perm[m * size : (m + 1) * size])
+                if self.pack:
+                    mini, stats = pack_units(mini, num_micro=self.plan.grad_accum_steps, pad_id=self.pad_id)
+                    packing.append(stats)
+                mini = self.train_step.place_batch(mini)
                 self.state, update_metrics = self.train_step(self.state, mini)
                 update_metrics = jax.device_get(update_metrics)
                 self.guard.check(update_metrics, step)
@@ -659,6 +694,13 @@ class RLTrainer:
         if critic_records:
             metrics.update(_rename(combine_updates(critic_records), "critic_"))
         metrics["train/updates"] = float(len(records))
+        metrics["train/micro_batch_size"] = float(self.plan.micro_batch_size)
+        metrics["train/micro_batches"] = float(self.plan.grad_accum_steps)
+        # Micro-batches that ran per update, and the share of their token slots that held tokens.
+        run = [s.micro_batches for s in packing] or [self.plan.grad_accum_steps] * len(records)
+        metrics["train/micro_batches_run"] = float(np.mean(run))
+        if packing:
+            metrics["train/pack_fill"] = sum(s.tokens for s in packing) / max(sum(s.slots for s in packing), 1)
         return metrics
 
     def train(self, rollouts: Rollouts, rewards: np.ndarray, *, step: int, shuffle_seed: int) -> dict[str, float]:

@@ -239,6 +239,21 @@ def _fold_metrics(stacked: dict[str, Any], num: int) -> dict[str, Any]:
     return folded
 
 
+def _neutral(metric: Any) -> Metric:
+    """A metric that leaves any other unchanged when combined with it (weight 0; the extreme's identity)."""
+    fill = {"max": -jnp.inf, "min": jnp.inf}.get(metric.reduce, 0.0)
+    return Metric(jnp.full(metric.total.shape, fill, metric.total.dtype), jnp.zeros_like(metric.weight), metric.reduce)
+
+
+def _no_grads(run: Callable[[], Any]) -> Any:
+    """What ``run`` (a micro-batch's ``(grads, total, denom, metrics)``) returns for a micro-batch of padding alone:
+    zero gradients, total and denominator, and neutral metrics (``_neutral``), without running it."""
+    grads, total, denom, metrics = jax.eval_shape(run)
+    zeros = lambda x: jnp.zeros(x.shape, x.dtype)  # noqa: E731
+    metrics = {name: _neutral(m) for name, m in metrics.items()}
+    return jax.tree.map(zeros, grads), zeros(total), zeros(denom), metrics
+
+
 def _per_update(metric: Metric) -> Metric:
     """A mean as its value with weight 1 (a step's updates count equally); max, min and last as they are."""
     return scalar_metric(metric.value, 1.0) if metric.reduce == "mean" else metric
@@ -347,7 +362,12 @@ def make_train_step(
             def body(carry, one):
                 g_acc, t_acc, d_acc = carry
                 one, index = one
-                g, t, d, m = micro_grads(params, frozen, one, micro_rng(state.step, index))
+                rng = micro_rng(state.step, index)
+                run = lambda: micro_grads(params, frozen, one, rng)  # noqa: E731
+                # A micro-batch of padding alone (the tail of a packed mini-batch, `packed_units`) is skipped:
+                # `lax.cond` runs one branch, so it costs no forward or backward pass.
+                g, t, d, m = jax.lax.cond(jnp.any(one.segment_ids != 0), run, lambda: _no_grads(run))
+                g = jax.lax.with_sharding_constraint(g, trained_shardings)
                 return (jax.tree.map(jnp.add, g_acc, g), t_acc + t, d_acc + d), m
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)

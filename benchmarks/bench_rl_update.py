@@ -1,0 +1,205 @@
+"""The RL update against the model's plain forward+backward pass on the same tokens, in one process.
+
+GRPO rollouts of `--prompts` prompts x `--group` samples are drawn with the lengths of a real run: prompts of 40-50
+tokens, completions stopping anywhere from 1 token to `--max-new-tokens` (uniform), a quarter of them cut at the
+limit. Three sides train SmolLM2-135M's architecture (random weights, float32, one CPU device) on them:
+
+* `rl_packed`: `RLTrainer.train` as an RL run calls it (layout, pi_old from the update's own pass, one update),
+  with the config's defaults: micro-batches sized by memory (`train.micro_batch_tokens`, here fixed to
+  `--micro-tokens` so both RL sides hold the same micro-batches) and `train.pack_sequences=True`;
+* `rl_unpacked`: the same with `train.pack_sequences=False` (every row padded to the widest the config allows);
+* `plain`: an SFT train step (next-token cross-entropy on the completion tokens) on the same samples packed
+  densely, micro-batches of the same token slots: what a forward+backward pass over these tokens costs.
+
+Each reports real tokens (prompt + completion of every sample) per second of its update; the goal (#18) is
+`rl_packed >= 0.9 x plain`. The first step of each side compiles and is left out; the median of the others counts.
+
+Usage:
+    python benchmarks/bench_rl_update.py --max-new-tokens 64 --steps 4
+    python benchmarks/bench_rl_update.py --max-new-tokens 128 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from feynrl_jax.host_memory import reexec_with_huge_pages
+
+reexec_with_huge_pages()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_lora import SMOLLM2_135M  # noqa: E402
+
+from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts  # noqa: E402
+
+PROMPT_WIDTH = 64
+
+
+def make_rollouts(args, seed: int) -> Rollouts:
+    rng = np.random.default_rng(seed)
+    n, c = args.prompts * args.group, args.max_new_tokens
+    prompt_lengths = np.repeat(rng.integers(40, 51, args.prompts), args.group).astype(np.int32)
+    completion = rng.integers(1, c + 1, n)
+    completion[rng.random(n) < 0.25] = c
+    prompt_ids = np.zeros((n, PROMPT_WIDTH), np.int32)
+    for g in range(args.prompts):
+        rows = slice(g * args.group, (g + 1) * args.group)
+        prompt_ids[rows, : prompt_lengths[g * args.group]] = rng.integers(1, 49152, prompt_lengths[g * args.group])
+    mask = (np.arange(c)[None, :] < completion[:, None]).astype(np.float32)
+    return Rollouts(
+        prompt_ids=prompt_ids,
+        prompt_lengths=prompt_lengths,
+        completion_ids=(rng.integers(1, 49152, (n, c)) * mask).astype(np.int32),
+        completion_mask=mask,
+        behavior_logprobs=(-rng.random((n, c)) * mask).astype(np.float32),
+        finish_reason=np.where(completion == c, FINISH_LENGTH, FINISH_STOP).astype(np.int32),
+        group_id=np.repeat(np.arange(args.prompts), args.group).astype(np.int32),
+        policy_version=np.zeros(n, np.int32),
+    )
+
+
+def real_tokens(rollouts: Rollouts) -> int:
+    return int(rollouts.prompt_lengths.sum() + rollouts.completion_mask.sum())
+
+
+def rl_config(args, workdir: str, pack: bool):
+    import tiny_rl
+
+    config = tiny_rl.get_config("grpo")
+    config.run_dir = os.path.join(workdir, "packed" if pack else "unpacked")
+    for key, value in SMOLLM2_135M.items():
+        if key != "rope_theta":
+            config.model.arch[key] = value
+    config.data.max_prompt_len = PROMPT_WIDTH
+    config.data.max_seq_len = PROMPT_WIDTH + args.max_new_tokens
+    config.rollout.n_samples = args.group
+    config.rollout.max_new_tokens = args.max_new_tokens
+    config.train.global_batch_size = args.prompts * args.group
+    config.train.mini_batches = 1
+    config.train.micro_batch_size = 0
+    config.train.micro_batch_tokens = args.micro_tokens
+    config.train.pack_sequences = pack
+    config.train.steps = args.steps
+    config.checkpoint.every_steps = 0
+    config.optim.lr = 1e-6
+    return config
+
+
+def run_rl(args, workdir: str, pack: bool) -> dict:
+    from feynrl_jax.train.rl_trainer import RLTrainer
+
+    trainer = RLTrainer(rl_config(args, workdir, pack))
+    trainer.start()
+    seconds, tokens, records = [], [], []
+    for step in range(args.steps):
+        rollouts = make_rollouts(args, seed=step)
+        rewards = np.random.default_rng(step).integers(0, 2, rollouts.group_id.shape[0]).astype(np.float32)
+        metrics = trainer.train(rollouts, rewards, step=step + 1, shuffle_seed=step)
+        seconds.append(metrics["perf/train_update_seconds"])
+        tokens.append(real_tokens(rollouts))
+        records.append(metrics)
+    trainer.close()
+    later = slice(1, None) if args.steps > 1 else slice(None)
+    rate = statistics.median(t / s for t, s in zip(tokens[later], seconds[later]))
+    last = records[-1]
+    return {
+        "tokens_per_second": rate,
+        "update_seconds": seconds,
+        "micro_batch_size": last["train/micro_batch_size"],
+        "micro_batches": last["train/micro_batches"],
+        "micro_batches_run": last["train/micro_batches_run"],
+        "pack_fill": last.get("train/pack_fill"),
+        "shared_prefix": last["train/shared_prefix"],
+    }
+
+
+def run_plain(args) -> dict:
+    """An SFT step over the same samples packed densely, micro-batches of the RL side's token slots."""
+    from feynrl_jax.losses import ALGORITHMS
+    from feynrl_jax.models import ModelConfig, init_params
+    from feynrl_jax.sharding import RULES, make_mesh
+    from feynrl_jax.train.optimizer import make_optimizer
+    from feynrl_jax.train.packed_units import pack_units
+    from feynrl_jax.train.rl_batch import rollouts_to_batch
+    from feynrl_jax.train.step import make_algorithm_train_step
+
+    config = ModelConfig(**SMOLLM2_135M)
+    seq_len = PROMPT_WIDTH + args.max_new_tokens
+    rows_per_micro = max(1, args.micro_tokens // seq_len)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    optimizer, _ = make_optimizer(1e-6, warmup_steps=0, total_steps=100, schedule="constant")
+    params = init_params(config, jax.random.key(0))
+    steps, seconds, tokens = {}, [], []
+    state = None
+    for step in range(args.steps):
+        rollouts = make_rollouts(args, seed=step)
+        zeros = np.zeros(rollouts.completion_mask.shape, np.float32)
+        batch = rollouts_to_batch(rollouts, zeros, seq_len=seq_len, pad_id=0)
+        n = batch.tokens.shape[0]
+        packed, stats = pack_units(batch, num_micro=n // rows_per_micro, pad_id=0)
+        micro = stats.micro_batches
+        # The filled rows (the dense batch), with empty ones up to whole micro-batches.
+        filled = (np.asarray(packed.segment_ids) != 0).any(axis=1)
+        take = np.r_[np.flatnonzero(filled), np.flatnonzero(~filled)][: micro * rows_per_micro]
+        dense = jax.tree.map(lambda x, take=take: np.asarray(x)[take], packed)
+        if micro not in steps:
+            steps[micro] = make_algorithm_train_step(
+                ALGORITHMS["sft"], optimizer, mesh, RULES["dp"], config=config, grad_accum=micro
+            )
+        train_step = steps[micro]
+        if state is None:
+            state = train_step.init_state(params)
+        placed = train_step.place_batch(dense)
+        t0 = time.perf_counter()
+        state, metrics = train_step(state, placed)
+        jax.block_until_ready(metrics)
+        seconds.append(time.perf_counter() - t0)
+        tokens.append(real_tokens(rollouts))
+    later = [i for i in range(1, args.steps) if seconds[i] < 3 * min(seconds)] or list(range(args.steps))
+    rate = statistics.median(tokens[i] / seconds[i] for i in later)
+    return {"tokens_per_second": rate, "update_seconds": seconds, "rows_per_micro": rows_per_micro}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--micro-tokens", type=int, default=1024, help="token slots per micro-batch (all sides)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    workdir = tempfile.mkdtemp(prefix="bench_rl_update_")
+    packed = run_rl(args, workdir, pack=True)
+    unpacked = run_rl(args, workdir, pack=False)
+    plain = run_plain(args)
+    result = {
+        "model": "SmolLM2-135M architecture (random weights), float32, one CPU device",
+        "cpu": os.popen("lscpu | grep 'Model name' | cut -d: -f2").read().strip(),
+        "settings": vars(args),
+        "rl_packed": packed,
+        "rl_unpacked": unpacked,
+        "plain": plain,
+        "ratio_packed_vs_plain": packed["tokens_per_second"] / plain["tokens_per_second"],
+        "ratio_unpacked_vs_plain": unpacked["tokens_per_second"] / plain["tokens_per_second"],
+        "speedup_packed_vs_unpacked": packed["tokens_per_second"] / unpacked["tokens_per_second"],
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Micro-batches sized by memory: how many sequences one forward/backward pass of an RL update may hold.
+
+A train step's peak memory is the state (params, optimizer moments, the gradient accumulator) plus the
+activations the backward pass keeps, which grow with the tokens of one micro-batch. With `train.micro_batch_size
+= 0` the RL trainer picks the micro-batch here: the most sequences whose token slots fit `train.micro_batch_tokens`,
+or, when that is 0 too, whose estimated activations fit a share of the memory free on the training device (the
+host's `MemAvailable` and cgroup limit on CPU, `memory_stats()` on an accelerator). A micro-batch that cannot fit
+even at its smallest, or an explicit `train.micro_batch_size` whose estimate exceeds the free memory, is an error
+naming the key to lower, instead of a process the kernel's OOM killer ends.
+
+The activation estimate (`activation_bytes_per_token`) counts what XLA keeps per token and layer for the backward
+pass in the compute dtype: about `8 D + 7 I` values for the projections, norms and MLP, `2 H W` for attention
+scores and probabilities over a row of `W` columns, and `3 V` for the output projection's chunk of logits
+(`models.logprobs`, one chunk of up to 256 positions per row at a time). With `model.remat` "dots" or "full" a
+layer keeps only what the policy saves and one layer is recomputed at a time. The constants were fitted to
+XLA:CPU's `memory_analysis()` of the SmolLM2-135M train step (float32, rows of 128 and 256 columns, 2.6-2.9 MB
+per token measured); `tests/test_token_budget.py` checks the estimate against `memory_analysis()` of small models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from feynrl_jax.config.derived import BatchPlan
+from feynrl_jax.models import ModelConfig, lora
+
+log = logging.getLogger(__name__)
+
+# Share of the free memory that an automatic micro-batch's activations may take. On a CPU host the trainer shares
+# the memory with rollout workers, reward processes and Ray's object store; an accelerator is the trainer's own.
+HOST_SHARE = 0.4
+DEVICE_SHARE = 0.7
+
+
+def activation_bytes_per_token(config: ModelConfig, width: int, *, chunk_size: int = 256) -> int:
+    """Estimated bytes a train step's backward pass keeps per token of a micro-batch of rows `width` wide."""
+    c = config
+    size = jnp.dtype(c.compute_dtype).itemsize
+    layer = 8 * c.hidden_size + 7 * c.intermediate_size + 2 * c.num_heads * width
+    if c.remat == "none":
+        kept = c.num_layers * layer
+    else:  # the saved layer inputs ("full") or projection outputs ("dots"), plus one layer recomputed
+        saved = c.hidden_size if c.remat == "full" else 4 * c.hidden_size + 2 * c.intermediate_size
+        kept = c.num_layers * saved + layer
+    logits = 3 * c.vocab_size * min(chunk_size, width) / width  # float32, one chunk of each row at a time
+    return int(kept * size + logits * 4)
+
+
+def state_bytes(config: ModelConfig) -> int:
+    """Estimated bytes of the train state and step buffers: the params, and for each trained weight (the adapters
+    alone under LoRA) two optimizer moments and two float32 gradient buffers."""
+    from feynrl_jax.models import init_params
+
+    shapes = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
+    leaves = jax.tree_util.tree_leaves_with_path(shapes)
+    params = sum(x.size * x.dtype.itemsize for _, x in leaves)
+    trained = sum(x.size for path, x in leaves if not config.lora_rank or lora.is_adapter_path(path))
+    return int(params + trained * 4 * 4)
+
+
+def _host_free_bytes() -> int:
+    """`MemAvailable`, capped by the cgroup's remaining limit where one is set (its usage less the inactive page
+    cache, which the kernel reclaims first)."""
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if free is None:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        with open("/sys/fs/cgroup/memory.stat") as f:  # page cache the kernel reclaims before it kills
+            stat = dict(line.split() for line in f)
+        if limit != "max":
+            free = min(free, int(limit) - used + int(stat.get("inactive_file", 0)))
+    except (OSError, ValueError):
+        pass
+    return max(int(free), 0)
+
+
+def free_bytes(device: jax.Device | None = None) -> tuple[int, float]:
+    """`(free bytes, share an automatic micro-batch may use)` of `device` (default: the first local device); with
+    several processes, the least of theirs (a collective every process calls)."""
+    device = device or jax.local_devices()[0]
+    stats = None
+    if device.platform != "cpu":
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - backends without memory statistics
+            stats = None
+    if stats and "bytes_limit" in stats:
+        free, share = int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), DEVICE_SHARE
+    else:
+        free, share = _host_free_bytes(), HOST_SHARE
+    if jax.process_count() > 1:  # every process must choose the same micro-batch: the least free memory decides
+        from jax.experimental import multihost_utils
+
+        mib = multihost_utils.process_allgather(np.asarray([free // 2**20], np.int32))  # int32 without x64
+        free = int(np.min(mib)) * 2**20
+    return free, share
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchChoice:
+    """The RL micro-batch the budget allows.
+
+    Attributes:
+        plan: the batch plan with `micro_batch_size` and `grad_accum_steps` set.
+        budget_tokens: the token slots one micro-batch may hold (0 when `train.micro_batch_size` was given).
+        estimated_bytes: estimated peak of the train step (state plus one micro-batch's activations).
+        free_bytes: free memory on the training device when the trainer started.
+    """
+
+    plan: BatchPlan
+    budget_tokens: int
+    estimated_bytes: int
+    free_bytes: int
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def rl_micro_batch(
+    plan: BatchPlan,
+    model: ModelConfig,
+    *,
+    micro_batch_size: int,
+    micro_batch_tokens: int,
+    seq_len: int,
+    group_size: int,
+    shared_width: int,
+    shards: int,
+    min_micro_batches: int = 1,
+    free: tuple[int, float] | None = None,
+) -> MicroBatchChoice:
+    """The RL update's micro-batch (sequences per forward/backward pass) from the config's keys and free memory.
+
+    Candidates are the divisors of the mini-batch that the batch shards split evenly. A candidate of `d`
+    sequences holds `d x seq_len` token slots in the row layout and, when it is whole groups on every shard,
+    `d / n` rows of `shared_width` in the shared-prefix layout; the larger of the two counts.
+
+    Args:
+        plan: the config's batch plan (`config.derived.batch_plan`).
+        model: the policy's model config.
+        micro_batch_size: `train.micro_batch_size` (> 0: used as it is, checked against free memory).
+        micro_batch_tokens: `train.micro_batch_tokens` (> 0: the token budget; 0: from free memory).
+        seq_len: `data.max_seq_len`, the row layout's width.
+        group_size: `rollout.n_samples`.
+        shared_width: the shared-prefix layout's width (`max_prompt_len + n * max_new_tokens`).
+        shards: the mesh's batch shards (`data x fsdp`).
+        min_micro_batches: from free memory, split the mini-batch into at least this many micro-batches where the
+            shards allow (packed updates skip empty micro-batches, so a finer split wastes fewer slots).
+        free: `(free bytes, usable share)`; default `free_bytes()`.
+
+    Raises:
+        ValueError: naming `train.micro_batch_size` when its estimate exceeds the free memory, or
+            `train.micro_batch_tokens` / `data.max_seq_len` and `model.remat` when the smallest micro-batch does
+            not fit its budget.
+    """
+    free_total, share = free if free is not None else free_bytes()
+    fixed = state_bytes(model)
+
+    def slots(d: int) -> tuple[int, int]:
+        """(token slots, widest row) of a micro-batch of `d` sequences."""
+        rows = (d * seq_len, seq_len)
+        if group_size >= 2 and d % (group_size * shards) == 0:
+            shared = (d // group_size * shared_width, shared_width)
+            return max(rows, shared)
+        return rows
+
+    def estimate(d: int) -> int:
+        tokens, width = slots(d)
+        return fixed + tokens * activation_bytes_per_token(model, width)
+
+    mini = plan.mini_batch_size
+    if micro_batch_size > 0:
+        need = estimate(micro_batch_size)
+        if need > free_total:
+            raise ValueError(
+                f"train.micro_batch_size={micro_batch_size}: a train step of {micro_batch_size} sequences of up to "
+                f"{seq_len} tokens needs about {_gib(need)} (estimated), more than the {_gib(free_total)} free; lower "
+                "train.micro_batch_size (or set it to 0 to size micro-batches by memory), or set model.remat='full'"
+            )
+        return MicroBatchChoice(plan, 0, need, free_total)
+    candidates = [d for d in range(mini, 0, -1) if mini % d == 0 and d % shards == 0]
+    if micro_batch_tokens > 0:
+        budget = micro_batch_tokens
+        fits = [d for d in candidates if slots(d)[0] <= budget]
+        if not fits:
+            raise ValueError(
+                f"train.micro_batch_tokens={budget} is smaller than the smallest micro-batch: {candidates[-1]} "
+                f"sequence(s) ({slots(candidates[-1])[0]} token slots, one row per batch shard); raise it"
+            )
+    else:
+        allowed = int(free_total * share) - fixed
+        fits = [d for d in candidates if estimate(d) - fixed <= allowed]
+        fine = [d for d in fits if d * min_micro_batches <= mini]
+        fits = fine or fits[-1:]
+        budget = max(allowed, 0) // max(activation_bytes_per_token(model, slots(candidates[-1])[1]), 1)
+        if not fits:
+            raise ValueError(
+                f"the smallest RL micro-batch ({candidates[-1]} sequence(s) of up to {seq_len} tokens) needs about "
+                f"{_gib(estimate(candidates[-1]))} (estimated), more than {share:.0%} of the {_gib(free_total)} "
+                "free; lower data.max_seq_len (or rollout.max_new_tokens), set model.remat='full', or set "
+                "train.micro_batch_tokens to accept the risk"
+            )
+    d = fits[0]
+    log.info(
+        "RL micro-batch: %d of %d sequences (%d token slots of a budget of %d; estimated peak %s of %s free)",
+        d, mini, slots(d)[0], budget, _gib(estimate(d)), _gib(free_total),
+    )  # fmt: skip
+    chosen = dataclasses.replace(plan, micro_batch_size=d, grad_accum_steps=mini // d)
+    return MicroBatchChoice(chosen, int(budget), estimate(d), free_total)
