@@ -12,6 +12,9 @@ Usage:
     pip install "trl==1.16.0"      # not a dependency of the project (the `bench` extra); torch/transformers unchanged
     python benchmarks/bench_grpo_vs_trl.py --steps 4 --prompts 4 --group 8 --max-new-tokens 32
     python benchmarks/bench_grpo_vs_trl.py --which ours      # one side only
+    python benchmarks/bench_grpo_vs_trl.py --precision bfloat16   # ours: bf16 weights/compute, f32 masters;
+                                                                  # TRL: bf16=True (autocast)
+    python benchmarks/bench_grpo_vs_trl.py --remat full      # ours: model.remat="full"
 
 Output: one JSON line per side and a summary line with the ratio `trl_seconds_per_step / ours_seconds_per_step`
 and each side's peak resident memory (`run_side`: the sum over the side's process tree, Ray's processes included).
@@ -71,6 +74,9 @@ def run_ours(args) -> dict:
     config.rollout.max_slots = args.prompts * args.group
     config.optim.lr = args.lr
     config.model.remat = args.remat
+    if args.precision == "bfloat16":  # bfloat16 weights and compute, float32 master weights and optimizer state
+        config.model.param_dtype = config.model.compute_dtype = "bfloat16"
+        config.model.master_dtype = "float32"
     config.train.steps = args.steps
     config.train.global_batch_size = args.prompts * args.group
     config.eval.during_training = False
@@ -153,7 +159,7 @@ def run_trl(args) -> dict:
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=args.precision == "bfloat16",
         seed=0,
         shuffle_dataset=False,
         dataloader_num_workers=0,
@@ -232,6 +238,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="both sides")
     parser.add_argument("--remat", choices=("none", "dots", "full"), default="none", help="ours: model.remat")
     parser.add_argument("--which", choices=("both", "ours", "trl"), default="both")
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # the subprocess's role
@@ -250,6 +257,7 @@ def main() -> None:
         command = [sys.executable, __file__, "--side", side, "--workdir", workdir]
         command += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
         command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr), "--remat", args.remat]
+        command += ["--precision", args.precision]
         out, peak_gib = run_side(command, env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not lines:

@@ -401,6 +401,7 @@ class RLTrainer:
             shared_width=settings.prompt_width + settings.completion_width,
             shards=batch_size_multiple(self.mesh),
             min_micro_batches=PACKED_MIN_MICRO_BATCHES if settings.pack_sequences else 1,
+            whole_groups=settings.shared_prefix != "off",
         )
         self.plan = self.micro_choice.plan
         self.shared_prefix = self._choose_shared_prefix()

@@ -145,6 +145,7 @@ def rl_micro_batch(
     shared_width: int,
     shards: int,
     min_micro_batches: int = 1,
+    whole_groups: bool = False,
     free: tuple[int, float] | None = None,
 ) -> MicroBatchChoice:
     """The RL update's micro-batch (sequences per forward/backward pass) from the config's keys and free memory.
@@ -164,6 +165,8 @@ def rl_micro_batch(
         shards: the mesh's batch shards (`data x fsdp`).
         min_micro_batches: from free memory, split the mini-batch into at least this many micro-batches where the
             shards allow (packed updates skip empty micro-batches, so a finer split wastes fewer slots).
+        whole_groups: only micro-batches of whole groups on every shard, where the mini-batch has any (so the
+            shared-prefix layout stays possible).
         free: `(free bytes, usable share)`; default `free_bytes()`.
 
     Raises:
@@ -197,6 +200,9 @@ def rl_micro_batch(
             )
         return MicroBatchChoice(plan, 0, need, free_total)
     candidates = [d for d in range(mini, 0, -1) if mini % d == 0 and d % shards == 0]
+    grouped = [d for d in candidates if d % (group_size * shards) == 0]
+    if whole_groups and group_size >= 2 and grouped:
+        candidates = grouped
     if micro_batch_tokens > 0:
         budget = micro_batch_tokens
         fits = [d for d in candidates if slots(d)[0] <= budget]
