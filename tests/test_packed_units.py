@@ -35,7 +35,7 @@ from feynrl_jax.models import ModelConfig, init_params, sequence_logprobs  # noq
 from feynrl_jax.sharding import RULES, make_mesh  # noqa: E402
 from feynrl_jax.train.microbatch import split_microbatches  # noqa: E402
 from feynrl_jax.train.optimizer import make_optimizer  # noqa: E402
-from feynrl_jax.train.packed_units import first_fit_decreasing, pack_rows, pack_units, unit_spans  # noqa: E402
+from feynrl_jax.train.packed_units import pack_rows, pack_units, unit_spans  # noqa: E402
 from feynrl_jax.train.rl_batch import rollout_tokens  # noqa: E402
 from feynrl_jax.train.shared_prefix import shared_prefix_rows  # noqa: E402
 from feynrl_jax.train.step import ParamsSpec, make_algorithm_train_step, make_train_step, model_logprob_fn  # noqa: E402
@@ -115,8 +115,7 @@ def test_a_group_that_fits_no_row_whole_is_split_behind_copies_of_its_prompt():
     assert packed.loss_mask.sum() == mask.sum()  # a prompt's copy trains nothing
 
 
-def test_first_fit_decreasing():
-    assert first_fit_decreasing(np.asarray([3, 9, 0, 5, 4, 1]), 10) == [[1, 5], [3, 4], [0]]
+def test_rows_with_padding_between_their_tokens_are_refused():
     with pytest.raises(ValueError, match="row 0 has padding between"):
         pack_units(
             TrainBatch(*(np.asarray([[1, 0, 1, 0]] * 2, np.int32) for _ in range(3)), *(np.zeros((2, 4)),) * 3),

@@ -63,26 +63,6 @@ def unit_spans(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return start, end
 
 
-def first_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
-    """Bins of row indices, each bin's lengths summing to at most `width`; longest first, each into the first bin
-    with room (zero-length rows are left out)."""
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for u in np.argsort(-lengths, kind="stable"):
-        n = int(lengths[u])
-        if n == 0:
-            break
-        for b, room in enumerate(free):
-            if n <= room:
-                bins[b].append(int(u))
-                free[b] -= n
-                break
-        else:
-            bins.append([int(u)])
-            free.append(width - n)
-    return bins
-
-
 Chunk = tuple[int, list[tuple[int, int]]]
 """A unit's part placed in one row: `(unit row, [(start, end) column ranges of that row, in order])`."""
 
@@ -160,13 +140,8 @@ def pack_units(batch: TrainBatch, *, num_micro: int, pad_id: int) -> tuple[Train
     start, end = unit_spans(segment_ids)
     rows = pack_rows(segment_ids, start, end)
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    out = {}
-    for name, value in fields.items():
-        if value is None:
-            out[name] = None
-            continue
-        value = np.asarray(value)
-        out[name] = np.full(value.shape, pad_id if name == "tokens" else 0, value.dtype)
+    fields = {name: np.asarray(value) for name, value in fields.items() if value is not None}
+    out = {name: np.full(v.shape, pad_id if name == "tokens" else 0, v.dtype) for name, v in fields.items()}
     tokens = 0
     for k, chunks in enumerate(rows):
         row = (k % per_micro) * num_micro + k // per_micro
@@ -176,8 +151,7 @@ def pack_units(batch: TrainBatch, *, num_micro: int, pad_id: int) -> tuple[Train
             for a, b in ranges:
                 target = slice(column, column + b - a)
                 for name, value in fields.items():
-                    if value is not None:
-                        out[name][row, target] = np.asarray(value)[u, a:b]
+                    out[name][row, target] = value[u, a:b]
                 segments = segment_ids[u, a:b]
                 out["segment_ids"][row, target] = segments + base
                 top = max(top, int(segments.max()))
@@ -193,4 +167,4 @@ def pack_units(batch: TrainBatch, *, num_micro: int, pad_id: int) -> tuple[Train
         tokens=tokens,
         slots=micro * per_micro * width,
     )
-    return TrainBatch(**out), stats
+    return dataclasses.replace(batch, **out), stats

@@ -14,7 +14,7 @@ scores and probabilities over a row of `W` columns, and `3 V` for the output pro
 (`models.logprobs`, one chunk of up to 256 positions per row at a time). With `model.remat` "dots" or "full" a
 layer keeps only what the policy saves and one layer is recomputed at a time. The constants were fitted to
 XLA:CPU's `memory_analysis()` of the SmolLM2-135M train step (float32, rows of 128 and 256 columns, 2.6-2.9 MB
-per token measured); `tests/test_token_budget.py` checks the estimate against `memory_analysis()` of small models.
+per token measured); `tests/test_packed_units.py` checks the estimate against `memory_analysis()` of small models.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from feynrl_jax.config.derived import BatchPlan
-from feynrl_jax.models import ModelConfig, lora
+from feynrl_jax.models import ModelConfig
+from feynrl_jax.train.step import ParamsSpec
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +55,11 @@ def activation_bytes_per_token(config: ModelConfig, width: int, *, chunk_size: i
 
 def state_bytes(config: ModelConfig) -> int:
     """Estimated bytes of the train state and step buffers: the params, and for each trained weight (the adapters
-    alone under LoRA) two optimizer moments and two float32 gradient buffers."""
-    from feynrl_jax.models import init_params
-
-    shapes = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
-    leaves = jax.tree_util.tree_leaves_with_path(shapes)
+    alone under LoRA, `ParamsSpec.trainable`) two optimizer moments and two float32 gradient buffers."""
+    spec = ParamsSpec.of_model(config)
+    leaves = jax.tree_util.tree_leaves_with_path(spec.shape)
     params = sum(x.size * x.dtype.itemsize for _, x in leaves)
-    trained = sum(x.size for path, x in leaves if not config.lora_rank or lora.is_adapter_path(path))
+    trained = sum(x.size for path, x in leaves if spec.trainable is None or spec.trainable(path))
     return int(params + trained * 4 * 4)
 
 
