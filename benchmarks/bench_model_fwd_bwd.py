@@ -6,6 +6,12 @@ parameter. Both run in this process on the CPU; torch uses every core (`torch.se
 
 Run:
     python benchmarks/bench_model_fwd_bwd.py --batch 8 --seq 256 --steps 3
+    python benchmarks/bench_model_fwd_bwd.py --batch 8 --seq 256 --steps 3 --precision bfloat16
+
+`--precision bfloat16`: float32 weights and gradients, bfloat16 products (the mixed precision a run gets from
+`model.compute_dtype="bfloat16"`): ours twice, with XLA's dots and with oneDNN's (`model.cpu_matmul`,
+`feynrl_jax/kernels/onednn.py`), against torch under `torch.autocast("cpu", dtype=torch.bfloat16)`; goal (issue
+#18): ours >= 1.2x torch where the CPU has AMX.
 
 Prints tokens/s of both, their ratio (goal: ours >= 1.5x PyTorch) and the JAX compile time, and a roofline: the
 model FLOPs of one step (6 x non-embedding params + the output projection + attention, per token, as in Kaplan
@@ -17,6 +23,8 @@ it bounds the ratio any forward+backward can reach.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import time
 
@@ -56,8 +64,9 @@ def bench_jax(params, config, tokens: np.ndarray, steps: int, remat: str, chunk_
     return compile_s, (time.perf_counter() - start) / steps
 
 
-def bench_torch(folder: str, tokens: np.ndarray, steps: int) -> float:
-    """Mean seconds per forward+backward step of the transformers model (float32, eager/sdpa default)."""
+def bench_torch(folder: str, tokens: np.ndarray, steps: int, bf16: bool = False) -> float:
+    """Mean seconds per forward+backward step of the transformers model (float32 weights, eager/sdpa default; with
+    `bf16` under bfloat16 autocast)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -68,7 +77,9 @@ def bench_torch(folder: str, tokens: np.ndarray, steps: int) -> float:
 
     def one():
         model.zero_grad(set_to_none=True)
-        out = model(input_ids=x, labels=x)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with autocast:
+            out = model(input_ids=x, labels=x)
         out.loss.backward()
 
     one()  # warm-up
@@ -110,10 +121,13 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--remat", default="none", choices=("none", "full", "dots"))
+    parser.add_argument("--remat", default="auto", choices=("auto", "none", "full", "dots"))
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--precision", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    if args.precision == "bfloat16":
+        return main_bf16(args)
 
     folder = smollm2_checkpoint_dir()
     params, config = load_hf(folder)
@@ -139,6 +153,37 @@ def main():
         f"  jax {flops / jax_s / 1e9:.0f} GFLOP/s = {flops / jax_s / peak:.0%} of it; torch {flops / torch_s / 1e9:.0f}"
         f" GFLOP/s = {flops / torch_s / peak:.0%}; 1.5x torch would need {1.5 * flops / torch_s / peak:.0%}"
     )
+
+
+def main_bf16(args) -> None:
+    """The `--precision bfloat16` comparison: ours with XLA's and with oneDNN's products, torch under autocast."""
+    from feynrl_jax.kernels import onednn
+
+    folder = smollm2_checkpoint_dir()
+    params, config = load_hf(folder)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32)
+    n_tokens = args.batch * args.seq
+    units = ", ".join(onednn.cpu_bf16_units()) or "none"
+    print(f"model {folder}, batch {args.batch}x{args.seq}, float32 weights, bfloat16 products")
+    print(f"cpu cores: {os.cpu_count()}, bf16 matrix instructions: {units}")
+    seconds = {}
+    for backend in ("xla", "onednn"):
+        if backend == "onednn" and onednn.problem():
+            print(f"jax onednn: skipped, {onednn.problem()}")
+            continue
+        bf16 = dataclasses.replace(config, compute_dtype="bfloat16", cpu_matmul=backend)
+        compile_s, seconds[backend] = bench_jax(params, bf16, tokens, args.steps, args.remat, args.chunk_size)
+        print(
+            f"jax {backend:6s}: compile {compile_s:.1f}s, {seconds[backend]:.2f}s/step, "
+            f"{n_tokens / seconds[backend]:.0f} tokens/s"
+        )
+    if args.skip_torch:
+        return
+    seconds["torch"] = bench_torch(folder, tokens, args.steps, bf16=True)
+    print(f"torch bf16 autocast: {seconds['torch']:.2f}s/step, {n_tokens / seconds['torch']:.0f} tokens/s")
+    for backend in ("xla", "onednn"):
+        if backend in seconds:
+            print(f"ratio jax {backend} / torch bf16 (tokens/s): {seconds['torch'] / seconds[backend]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -252,6 +252,7 @@ def test_remat_policy_reaches_the_model():
     assert remat_policies("none") == set()
     assert remat_policies("dots") == {"DotsSaveable(only_if_no_batch_dims=True)"}
     assert remat_policies("full")  # nothing_saveable
+    assert remat_policies("auto") == remat_policies("full")  # "auto" on a CPU
 
 
 def test_params_spec_of_a_model_and_a_step_needs_its_parts():

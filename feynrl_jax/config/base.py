@@ -48,7 +48,12 @@ def base_config() -> ConfigDict:
     # applied to the float32 masters, so steps smaller than a bfloat16 ulp are not lost). Checkpoints hold the
     # masters; rollout engines, reference and evaluation get param_dtype weights; HF export writes param_dtype.
     config.model.master_dtype = ""
-    config.model.remat = "none"  # "none" | "full" | "dots": rematerialisation in the backward pass.
+    # Rematerialisation in the backward pass: "auto" ("full" on a CPU, where it is no slower in float32 and faster in
+    # bfloat16; "none" on accelerators) | "none" | "full" (recompute each layer) | "dots" (keep matmul outputs).
+    config.model.remat = "auto"
+    # bfloat16 products on a CPU (feynrl_jax/kernels/onednn.py): "auto" (oneDNN on a CPU with bf16 instructions,
+    # one device, the kernel built by `make setup`; else XLA) | "onednn" (refused where it cannot run) | "xla".
+    config.model.cpu_matmul = "auto"
     # LoRA (Hu et al. 2021; docs/LORA.md): with rank > 0 only low-rank adapters on `targets` train; the base weights
     # stay frozen, the reference model is the base with the adapters off, and RL weight syncs carry the adapters.
     config.model.lora = ConfigDict()

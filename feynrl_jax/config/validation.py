@@ -27,7 +27,7 @@ from feynrl_jax.config.errors import ConfigError, Problem, suggestion
 
 DTYPES = ("float32", "bfloat16")
 MASTER_DTYPES = ("", "float32")
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("auto", "none", "full", "dots")
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """`feynrl_jax.models.config.LORA_TARGETS` (the config layer imports no JAX; tests/test_lora.py keeps them equal)."""
@@ -216,6 +216,15 @@ def _check_model(model, bad):
     _choice(bad, "model.compute_dtype", model.compute_dtype, DTYPES)
     _choice(bad, "model.master_dtype", model.master_dtype, MASTER_DTYPES)
     _choice(bad, "model.remat", model.remat, REMAT_POLICIES)
+    from feynrl_jax import kernels  # no JAX: the names and where the built kernel lives
+
+    _choice(bad, "model.cpu_matmul", model.cpu_matmul, kernels.CPU_MATMUL_BACKENDS)
+    if model.cpu_matmul == "onednn" and not kernels.ONEDNN_LIBRARY.is_file():
+        bad(
+            "model.cpu_matmul",
+            f"model.cpu_matmul='onednn' but the kernel is not built ({kernels.ONEDNN_LIBRARY}): run "
+            "`python -m feynrl_jax.kernels.onednn build` (make setup does), or set 'auto' or 'xla'.",
+        )
     _check_lora(model.lora, bad)
     arch = model.arch
     _choice(bad, "model.arch.architecture", arch.architecture, ARCHITECTURES)

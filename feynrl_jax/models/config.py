@@ -23,9 +23,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from feynrl_jax.kernels import CPU_MATMUL_BACKENDS
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("auto", "none", "full", "dots")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -63,7 +65,10 @@ class ModelConfig:
         param_dtype: dtype the parameters are stored in ("float32", "bfloat16", "float16").
         compute_dtype: dtype of activations and matmuls; logits and log-probabilities are always float32.
         remat: default rematerialisation policy of `forward`: "none", "full" (recompute every layer in the
-            backward pass) or "dots" (keep matmul outputs, recompute the rest).
+            backward pass), "dots" (keep matmul outputs, recompute the rest) or "auto" ("full" when JAX runs on a
+            CPU, "none" elsewhere; `resolved_remat`).
+        cpu_matmul: backend of the projections' and output projection's bfloat16 products on a CPU: "xla",
+            "onednn" or "auto" (`feynrl_jax.kernels.onednn`). Runs set it from `model.cpu_matmul` ("auto").
         bos_token_id, eos_token_id, pad_token_id: special tokens (eos may be a tuple), or None.
         lora_rank: r of the low-rank adapters on `lora_targets` (Hu et al. 2021, `feynrl_jax.models.lora`); 0: no
             adapters. The params then hold `lora_a`/`lora_b` beside each target's kernel.
@@ -96,6 +101,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
+    cpu_matmul: str = "xla"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -104,6 +110,20 @@ class ModelConfig:
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
     base_quantization: str | None = None
+
+    def resolved_remat(self, remat: str | None = None) -> str:
+        """The policy a pass runs with: `remat` (None: `self.remat`), "auto" resolved for the backend JAX runs on.
+
+        "auto" is "full" on a CPU: measured on SmolLM2-135M (8x256 tokens, 2-core EPYC), full rematerialisation
+        is as fast as none in float32 and 1.4x faster in bfloat16 (XLA:CPU widens every bfloat16 residual it
+        stacks across the layer scan to float32 and back, whole stack per layer), with a fraction of the memory.
+        On accelerators it is "none": recomputation costs a third more FLOPs there."""
+        policy = self.remat if remat is None else remat
+        if policy != "auto":
+            return policy
+        import jax  # the config module itself stays importable without JAX
+
+        return "full" if jax.default_backend() == "cpu" else "none"
 
     def __post_init__(self):
         def fail(key, message):
@@ -123,6 +143,8 @@ class ModelConfig:
                 fail(key, f"unknown dtype {getattr(self, key)!r}; expected one of {DTYPES}")
         if self.remat not in REMAT_POLICIES:
             fail("remat", f"unknown policy {self.remat!r}; expected one of {REMAT_POLICIES}")
+        if self.cpu_matmul not in CPU_MATMUL_BACKENDS:
+            fail("cpu_matmul", f"unknown backend {self.cpu_matmul!r}; expected one of {CPU_MATMUL_BACKENDS}")
         if self.rope_scaling is not None:
             rope_type = dict(self.rope_scaling).get("rope_type")
             if rope_type not in ROPE_TYPES:

@@ -34,7 +34,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
+from feynrl_jax.kernels import onednn
 from feynrl_jax.models import lora, quant
 from feynrl_jax.models.attention import attend, cache_mask, packed_mask, within_window
 from feynrl_jax.models.config import LORA_TARGETS, ModelConfig
@@ -180,6 +182,11 @@ def as_param_dtype(params: Params, config: ModelConfig) -> Params:
     return jax.tree_util.tree_map_with_path(lambda path, p: p if quant.is_quant_path(path) else p.astype(dtype), params)
 
 
+def _in_dtype(tree, dtype):
+    """`tree`'s leaves cast to `dtype`, NF4 leaves (`quant`) kept as they are."""
+    return jax.tree_util.tree_map_with_path(lambda path, p: p if quant.is_quant_path(path) else p.astype(dtype), tree)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm with float32 statistics; returns `x`'s dtype. `x: [..., N]`, `scale: [N]`."""
     xf = x.astype(jnp.float32)
@@ -187,26 +194,39 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def _matmul(x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
+ONEDNN_DOT = "onednn_dot"
+"""`checkpoint_name` of oneDNN products, which remat policy "dots" keeps as it keeps XLA's dots."""
+
+
+def _matmul(x: jax.Array, kernel: jax.Array, dtype, use_onednn: bool = False) -> jax.Array:
     """`x [B, T, N] @ kernel [N, M] -> [B, T, M]` as one 2-D matrix product.
 
     Folding the batch and time axes into one keeps the dot and both of its gradients plain 2-D GEMMs, which
     XLA:CPU runs near its matmul peak; the same contraction written as a 3-D einsum ran its backward pass
-    about 1.5x slower on CPU (benchmarks/bench_model_fwd_bwd.py).
+    about 1.5x slower on CPU (benchmarks/bench_model_fwd_bwd.py). `use_onednn`: the product runs in oneDNN
+    (`feynrl_jax.kernels.onednn`, bfloat16 on a CPU's bf16 instructions).
     """
     b, t, n = x.shape
-    return (x.reshape(b * t, n) @ kernel.astype(dtype)).reshape(b, t, kernel.shape[-1])
+    x2, kernel = x.reshape(b * t, n), kernel.astype(dtype)
+    if use_onednn:
+        out = checkpoint_name(onednn.dot(x2.astype(dtype), kernel, False, dtype), ONEDNN_DOT)
+    else:
+        out = x2 @ kernel
+    return out.reshape(b, t, kernel.shape[-1])
 
 
-def _dense(x: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | None = None) -> jax.Array:
+def _dense(
+    x: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | None = None, use_onednn: bool = False
+) -> jax.Array:
     """`x [B, T, N]` through a projection `{"kernel": [*inputs, *outputs]}` (inputs multiply to N) to
     `[B, T, M]` (M the product of the outputs), plus `lora_scale * (x A) B` when the projection holds LoRA
     adapters `lora_a [*inputs, r]`, `lora_b [r, *outputs]` (`feynrl_jax.models.lora`).
 
     `dropout = (key, rate)` drops elements of the adapters' input `x` (inverted dropout, scaled by
-    `1 / (1 - rate)`), as PEFT's `lora_dropout` does; the frozen projection sees `x` whole."""
+    `1 / (1 - rate)`), as PEFT's `lora_dropout` does; the frozen projection sees `x` whole. `use_onednn`: see
+    `_matmul`."""
     n = x.shape[-1]
-    out = _matmul(x, quant.kernel(proj, dtype).reshape(n, -1), dtype)
+    out = _matmul(x, quant.kernel(proj, dtype).reshape(n, -1), dtype, use_onednn)
     if "lora_a" in proj:
         a, b = proj["lora_a"], proj["lora_b"]
         rank = a.shape[-1]
@@ -214,15 +234,17 @@ def _dense(x: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | 
             key, rate = dropout
             keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
             x = jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
-        low = _matmul(x, a.reshape(n, rank), dtype)
-        out = out + (lora_scale * _matmul(low, b.reshape(rank, -1), dtype)).astype(out.dtype)
+        low = _matmul(x, a.reshape(n, rank), dtype, use_onednn)
+        out = out + (lora_scale * _matmul(low, b.reshape(rank, -1), dtype, use_onednn)).astype(out.dtype)
     return out
 
 
-def _project(h: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | None = None) -> jax.Array:
+def _project(
+    h: jax.Array, proj: dict, dtype, lora_scale: float, dropout: tuple | None = None, use_onednn: bool = False
+) -> jax.Array:
     """`h [B, T, D]` through a `[D, heads, Dh]` projection (`_dense`) to `[B, T, heads, Dh]`."""
     heads, head_dim = _kernel_shape(proj)[-2:]
-    return _dense(h, proj, dtype, lora_scale, dropout).reshape(*h.shape[:2], heads, head_dim)
+    return _dense(h, proj, dtype, lora_scale, dropout, use_onednn).reshape(*h.shape[:2], heads, head_dim)
 
 
 def _kernel_shape(proj: dict) -> tuple[int, ...]:
@@ -233,12 +255,17 @@ def _kernel_shape(proj: dict) -> tuple[int, ...]:
     return proj["kernel"].shape
 
 
-def _remat_policy(name: str):
+def _remat_policy(name: str, use_onednn: bool = False):
     if name == "full":
         return jax.checkpoint_policies.nothing_saveable
+    if name == "dots" and use_onednn:  # oneDNN's products are custom calls, kept by name
+        return jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(ONEDNN_DOT),
+        )
     if name == "dots":
         return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    raise ValueError(f"unknown remat policy {name!r}; expected 'none', 'full' or 'dots'")
+    raise ValueError(f"unknown remat policy {name!r}; expected 'auto', 'none', 'full' or 'dots'")
 
 
 def unstack_layers(params: Params) -> Params:
@@ -305,7 +332,13 @@ def forward(
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
     """
     dtype = jnp.dtype(config.compute_dtype)
+    mm = onednn.use_onednn(config.cpu_matmul, dtype)  # the projections' products in oneDNN (bfloat16 on a CPU)
     params = as_param_dtype(params, config)
+    # Every layer weight is used in the compute dtype: the whole stack is cast once, before the layers, so the
+    # backward pass writes each layer's gradient into a stack of that dtype and widens the stack once at the end.
+    # (Per-layer casts inside the scan made XLA:CPU convert-and-write each layer's gradient into the float32 stack:
+    # about 3.5 s of a 12 s bfloat16 step of SmolLM2-135M at 8x256 tokens.)
+    params = {**params, "layers": _in_dtype(params["layers"], dtype)}
     scale = config.lora_scale  # adapters present in the params are applied (feynrl_jax.models.lora)
     layer_keys = None
     if dropout_rng is not None and config.lora_dropout > 0 and config.lora_rank:
@@ -326,9 +359,9 @@ def forward(
         key or None. Returns `(x, aux)`."""
         drop = _dropout_per_target(key, config.lora_dropout)
         h = rms_norm(x, p["attn_norm"]["scale"], config.rms_norm_eps)
-        q = _project(h, p["q_proj"], dtype, scale, drop["q_proj"])
-        k = _project(h, p["k_proj"], dtype, scale, drop["k_proj"])
-        v = _project(h, p["v_proj"], dtype, scale, drop["v_proj"])
+        q = _project(h, p["q_proj"], dtype, scale, drop["q_proj"], mm)
+        k = _project(h, p["k_proj"], dtype, scale, drop["k_proj"], mm)
+        v = _project(h, p["v_proj"], dtype, scale, drop["v_proj"], mm)
         if config.attention_bias:
             q = q + p["q_proj"]["bias"].astype(dtype)
             k = k + p["k_proj"]["bias"].astype(dtype)
@@ -338,14 +371,14 @@ def forward(
             k = rms_norm(k, p["k_norm"]["scale"], config.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn, aux = attention(q, k, v, window)
-        out = _dense(attn.reshape(*attn.shape[:2], -1), p["o_proj"], dtype, scale, drop["o_proj"])
+        out = _dense(attn.reshape(*attn.shape[:2], -1), p["o_proj"], dtype, scale, drop["o_proj"], mm)
         if "bias" in p["o_proj"]:
             out = out + p["o_proj"]["bias"].astype(dtype)
         x = x + out
         h = rms_norm(x, p["mlp_norm"]["scale"], config.rms_norm_eps)
-        gate = _dense(h, p["gate_proj"], dtype, scale, drop["gate_proj"])
-        up = _dense(h, p["up_proj"], dtype, scale, drop["up_proj"])
-        x = x + _dense(jax.nn.silu(gate) * up, p["down_proj"], dtype, scale, drop["down_proj"])
+        gate = _dense(h, p["gate_proj"], dtype, scale, drop["gate_proj"], mm)
+        up = _dense(h, p["up_proj"], dtype, scale, drop["up_proj"], mm)
+        x = x + _dense(jax.nn.silu(gate) * up, p["down_proj"], dtype, scale, drop["down_proj"], mm)
         return x, aux
 
     def packed_attention(q, k, v, window):
@@ -365,9 +398,9 @@ def forward(
         mask = cache_mask(positions, keys.shape[-1], window)
         return attend(q, keys.astype(dtype), values.astype(dtype), mask), (ck, cv)
 
-    policy = config.remat if remat is None else remat
+    policy = config.resolved_remat(remat)
     if policy != "none":
-        block = jax.checkpoint(block, policy=_remat_policy(policy), prevent_cse=False, static_argnums=(3,))
+        block = jax.checkpoint(block, policy=_remat_policy(policy, mm), prevent_cse=False, static_argnums=(3,))
 
     if isinstance(params["layers"], tuple):
         x, cache = _unrolled_layers(
@@ -457,8 +490,13 @@ def logits(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Arr
         `[B, T, V]` float32.
     """
     dtype = hidden.dtype
-    if config.tie_word_embeddings:
-        weight = as_param_dtype(params["embed"]["embedding"], config).astype(dtype)
+    tied = config.tie_word_embeddings
+    weight = params["embed"]["embedding"] if tied else params["lm_head"]["kernel"]
+    weight = as_param_dtype(weight, config).astype(dtype)
+    if onednn.use_onednn(config.cpu_matmul, dtype):
+        b, t, d = hidden.shape
+        out = onednn.dot(hidden.reshape(b * t, d), weight, tied, jnp.float32)
+        return checkpoint_name(out, ONEDNN_DOT).reshape(b, t, -1)
+    if tied:
         return jnp.einsum("btd,vd->btv", hidden, weight, preferred_element_type=jnp.float32)
-    weight = as_param_dtype(params["lm_head"]["kernel"], config).astype(dtype)
     return jnp.einsum("btd,dv->btv", hidden, weight, preferred_element_type=jnp.float32)

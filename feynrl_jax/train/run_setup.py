@@ -116,7 +116,12 @@ def model_config(model_cfg: ConfigDict, source: ModelSource, tokenizer: Any) -> 
             both and both sizes).
         ConfigError: a random-init `model.arch.vocab_size` is smaller than the tokenizer.
     """
-    dtypes = dict(param_dtype=model_cfg.param_dtype, compute_dtype=model_cfg.compute_dtype, remat=model_cfg.remat)
+    dtypes = dict(
+        param_dtype=model_cfg.param_dtype,
+        compute_dtype=model_cfg.compute_dtype,
+        remat=model_cfg.remat,
+        cpu_matmul=model_cfg.cpu_matmul,
+    )
     dtypes.update(lora_fields(model_cfg.lora))
     size = tokenizer_size(tokenizer)
     if source.weights_dir is not None:

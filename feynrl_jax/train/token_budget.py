@@ -44,10 +44,11 @@ def activation_bytes_per_token(config: ModelConfig, width: int, *, chunk_size: i
     c = config
     size = jnp.dtype(c.compute_dtype).itemsize
     layer = 8 * c.hidden_size + 7 * c.intermediate_size + 2 * c.num_heads * width
-    if c.remat == "none":
+    remat = c.resolved_remat()
+    if remat == "none":
         kept = c.num_layers * layer
     else:  # the saved layer inputs ("full") or projection outputs ("dots"), plus one layer recomputed
-        saved = c.hidden_size if c.remat == "full" else 4 * c.hidden_size + 2 * c.intermediate_size
+        saved = c.hidden_size if remat == "full" else 4 * c.hidden_size + 2 * c.intermediate_size
         kept = c.num_layers * saved + layer
     logits = 3 * c.vocab_size * min(chunk_size, width) / width  # float32, one chunk of each row at a time
     return int(kept * size + logits * 4)

@@ -1,0 +1,211 @@
+"""bfloat16 matrix products through oneDNN on x86-64 CPUs, reached from JAX as an XLA FFI custom call.
+
+Why: XLA:CPU widens bfloat16 dot operands to float32 and multiplies at the float32 rate, so a bfloat16 model is no
+faster than a float32 one on a CPU. oneDNN runs the same product on the CPU's bfloat16 instructions (AMX tiles
+where the CPU has `amx_bf16`, `vdpbf16ps` where it has `avx512_bf16`) with float32 accumulation, as PyTorch does
+on these CPUs. Measured on a 2-core AMD EPYC with AVX-512-BF16 and no AMX, a 2048x576x1536 product: XLA bfloat16
+174 GFLOP/s, XLA float32 205, oneDNN bfloat16 403, PyTorch bfloat16 403 (`benchmarks/bench_cpu_matmul.py`).
+
+The kernel (`onednn_matmul.cc`) is compiled against the `onednn-cpu-gomp` wheel's library and headers and XLA's
+FFI headers (`jax.ffi.include_dir()`) by `build`, which `make setup` runs; the library lands beside this file.
+Without it (no compiler, no oneDNN) every product stays with XLA.
+
+`model.cpu_matmul` picks the backend of the decoder's projections and output projection (`decoder.forward`,
+`decoder.logits`):
+- "auto" (default): oneDNN when the compute dtype is bfloat16, JAX runs on one CPU device, the CPU has bfloat16
+  matrix instructions and the library is built; XLA otherwise (float32 gains nothing: both run at the same rate).
+- "onednn": oneDNN for bfloat16 products, refused at validation when the library cannot load, and at trace time
+  on an accelerator or a multi-device job (XLA's partitioner would gather a custom call's operands onto each device).
+- "xla": always XLA.
+
+The gradient (`dot`'s custom VJP) is two more oneDNN products that read the transposes through strides; the
+cotangent of a float32 output (the logits) is rounded to bfloat16 first, as bfloat16 autocast does in PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from feynrl_jax.kernels import CPU_MATMUL_BACKENDS, ONEDNN_LIBRARY
+
+SOURCE = Path(__file__).with_name("onednn_matmul.cc")
+LIBRARY = ONEDNN_LIBRARY
+TARGET = "feynrl_onednn_matmul"
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""/proc/cpuinfo flags of bfloat16 matrix instructions oneDNN uses; without them it emulates bf16 in float32."""
+
+
+def _prefix_dirs() -> tuple[Path, Path]:
+    """(include, lib) of the environment the `onednn-cpu-gomp` wheels install their data files into."""
+    return Path(sys.prefix) / "include", Path(sys.prefix) / "lib"
+
+
+def build(output: Path = LIBRARY, compiler: str | None = None) -> Path:
+    """Compiles `onednn_matmul.cc` into `output` (written to a temporary file, then renamed: never half-written).
+
+    Raises:
+        RuntimeError: no C++ compiler, no oneDNN headers or library in this environment (naming what is missing
+            and the package that provides it), or the compiler's error.
+    """
+    compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) found: the oneDNN kernel is not built; XLA runs every dot")
+    include, lib = _prefix_dirs()
+    if not (include / "oneapi" / "dnnl" / "dnnl.hpp").is_file():
+        raise RuntimeError(f"no oneDNN headers in {include}: pip install onednn-devel-cpu-gomp==2023.2.0")
+    if not (lib / "libdnnl.so").exists():
+        raise RuntimeError(f"no libdnnl.so in {lib}: pip install onednn-cpu-gomp==2023.2.0")
+    output = Path(output)
+    with tempfile.NamedTemporaryFile(dir=output.parent, prefix=output.name, suffix=".tmp", delete=False) as tmp:
+        partial = Path(tmp.name)
+    command = [
+        compiler,
+        "-O2",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-Wno-return-type",  # XLA's FFI headers end switch-covered functions without a return
+        str(SOURCE),
+        f"-I{jax.ffi.include_dir()}",
+        f"-I{include}",
+        f"-L{lib}",
+        "-ldnnl",
+        f"-Wl,-rpath,{lib}",
+        "-o",
+        str(partial),
+    ]
+    try:
+        try:
+            result = subprocess.run(command, capture_output=True, text=True)
+        except OSError as error:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: cannot run {compiler}: {error}") from error
+        if result.returncode:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)
+    _load.cache_clear()
+    return output
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    """Loads the built library and registers its FFI target once per process: `(loaded, why not)`."""
+    if not LIBRARY.is_file():
+        return False, f"{LIBRARY} is not built (python -m feynrl_jax.kernels.onednn build; `make setup` runs it)"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(LIBRARY))
+    except OSError as error:
+        return False, f"{LIBRARY} does not load: {error}"
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.FeynrlOnednnMatmul), platform="cpu")
+    return True, ""
+
+
+def problem() -> str:
+    """Why the kernel cannot run in this process, or "" when it can (loads the library)."""
+    return _load()[1]
+
+
+@functools.cache
+def cpu_bf16_units() -> tuple[str, ...]:
+    """The `CPU_BF16_FLAGS` this CPU has (from /proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return ()
+    return tuple(flag for flag in CPU_BF16_FLAGS if flag in flags)
+
+
+def use_onednn(backend: str, dtype) -> bool:
+    """Whether the model's products of `dtype` go to oneDNN under `model.cpu_matmul=backend` (see module doc).
+
+    Raises:
+        ValueError: `backend="onednn"` where it cannot run (not loadable, not a CPU, several devices), naming
+            `model.cpu_matmul`.
+    """
+    if backend == "xla" or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    if backend == "onednn":
+        why = problem()
+        if not why and jax.default_backend() != "cpu":
+            why = f"JAX runs on {jax.default_backend()!r}, not a CPU"
+        if not why and jax.device_count() > 1:
+            why = f"the job has {jax.device_count()} devices; the kernel runs where there is one"
+        if why:
+            raise ValueError(f"model.cpu_matmul='onednn' cannot run: {why}. Set model.cpu_matmul='auto' or 'xla'.")
+        return True
+    if backend != "auto":
+        raise ValueError(f"model.cpu_matmul={backend!r}: expected one of {CPU_MATMUL_BACKENDS}")
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and bool(cpu_bf16_units()) and not problem()
+
+
+def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -> jax.Array:
+    """`op(a) @ op(b)` by the FFI target; `op` transposes a 2-D operand when its flag is set."""
+    loaded, why = _load()
+    if not loaded:
+        raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
+    m = a.shape[1] if trans_a else a.shape[0]
+    n = b.shape[0] if trans_b else b.shape[1]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), vmap_method="sequential")
+    return call(a, b, trans_a=np.int64(trans_a), trans_b=np.int64(trans_b))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dot(a: jax.Array, b: jax.Array, trans_b: bool = False, out_dtype=jnp.bfloat16) -> jax.Array:
+    """`a [M, K] @ b [K, N]` (or `a @ b.T` for `b [N, K]` with `trans_b`) by oneDNN, as `out_dtype`.
+
+    `a` and `b` are both bfloat16 or both float32 (the kernel checks); `out_dtype` is bfloat16 or float32 and the
+    accumulation is float32 either way. Differentiable in both operands (see the module docstring)."""
+    return _call(a, b, False, trans_b, out_dtype)
+
+
+def _dot_fwd(a, b, trans_b, out_dtype):
+    return dot(a, b, trans_b, out_dtype), (a, b)
+
+
+def _dot_bwd(trans_b, out_dtype, residuals, g):
+    a, b = residuals
+    g = g.astype(a.dtype)
+    if trans_b:  # out = a @ b.T: da = g @ b, db = g.T @ a
+        return _call(g, b, False, False, a.dtype), _call(g, a, True, False, b.dtype)
+    return _call(g, b, False, True, a.dtype), _call(a, g, True, False, b.dtype)  # da = g @ b.T, db = a.T @ g
+
+
+dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m feynrl_jax.kernels.onednn build [--required]`: compiles the kernel. Without `--required` a machine
+    that cannot build it (no compiler, no oneDNN) is told so and the exit status is 0: XLA runs every product."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "build" or set(argv[1:]) - {"--required"}:
+        print("usage: python -m feynrl_jax.kernels.onednn build [--required]", file=sys.stderr)
+        return 2
+    try:
+        path = build()
+    except RuntimeError as error:
+        print(f"oneDNN kernel not built: {error}", file=sys.stderr)
+        return 1 if "--required" in argv else 0
+    loaded, why = _load()
+    if not loaded:
+        print(f"oneDNN kernel built at {path} but {why}", file=sys.stderr)
+        return 1
+    units = ", ".join(cpu_bf16_units()) or "none (oneDNN emulates bf16; model.cpu_matmul='auto' keeps XLA)"
+    print(f"oneDNN kernel built: {path}; this CPU's bf16 matrix instructions: {units}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

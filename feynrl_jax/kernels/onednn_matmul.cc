@@ -1,0 +1,107 @@
+// A 2-D matrix product through oneDNN, called from XLA:CPU as a typed FFI custom call.
+//
+// XLA:CPU computes bfloat16 dots in float32 after widening the operands; oneDNN runs them on the CPU's bf16
+// instructions (AVX-512-BF16 `vdpbf16ps`, or AMX tiles on CPUs that have them) with float32 accumulation.
+//
+//   out[M, N] = op(a) @ op(b),  op(a) = a [M, K] or a^T with a [K, M] (trans_a),
+//                               op(b) = b [K, N] or b^T with b [N, K] (trans_b).
+//
+// a and b share one element type (bf16 or f32); out is bf16 or f32. Transposes are read through strides, so the
+// backward pass (dx = dy @ w^T, dw = x^T @ dy) needs no copies.
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+bool dnnl_type(ffi::DataType type, dnnl::memory::data_type* out) {
+  switch (type) {
+    case ffi::DataType::BF16:
+      *out = dnnl::memory::data_type::bf16;
+      return true;
+    case ffi::DataType::F32:
+      *out = dnnl::memory::data_type::f32;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// A [rows, cols] view of a 2-D buffer of shape `shape`, read transposed when `trans`.
+dnnl::memory::desc view(int64_t rows, int64_t cols, dnnl::memory::data_type type, bool trans) {
+  return trans ? dnnl::memory::desc({rows, cols}, type, {1, rows}) : dnnl::memory::desc({rows, cols}, type, {cols, 1});
+}
+
+ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, int64_t trans_a,
+                  int64_t trans_b) {
+  auto a_dims = a.dimensions();
+  auto b_dims = b.dimensions();
+  auto out_dims = out->dimensions();
+  if (a_dims.size() != 2 || b_dims.size() != 2 || out_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("onednn_matmul: operands and result must be 2-D");
+  }
+  const int64_t m = trans_a ? a_dims[1] : a_dims[0];
+  const int64_t k = trans_a ? a_dims[0] : a_dims[1];
+  const int64_t k_b = trans_b ? b_dims[1] : b_dims[0];
+  const int64_t n = trans_b ? b_dims[0] : b_dims[1];
+  if (k != k_b || out_dims[0] != m || out_dims[1] != n) {
+    return ffi::Error::InvalidArgument("onednn_matmul: shapes do not agree: [" + std::to_string(m) + ", " +
+                                       std::to_string(k) + "] @ [" + std::to_string(k_b) + ", " + std::to_string(n) +
+                                       "] -> [" + std::to_string(out_dims[0]) + ", " + std::to_string(out_dims[1]) +
+                                       "]");
+  }
+  dnnl::memory::data_type in_type, out_type;
+  if (a.element_type() != b.element_type() || !dnnl_type(a.element_type(), &in_type) ||
+      !dnnl_type(out->element_type(), &out_type)) {
+    return ffi::Error::InvalidArgument("onednn_matmul: operands must both be bf16 or f32, the result bf16 or f32");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  try {
+    dnnl::engine& engine = cpu_engine();
+    auto a_md = view(m, k, in_type, trans_a);
+    auto b_md = view(k, n, in_type, trans_b);
+    auto out_md = dnnl::memory::desc({m, n}, out_type, {n, 1});
+    // oneDNN keeps created primitives in its own cache (keyed by the descriptors), so a repeated shape reuses its
+    // generated kernel.
+    dnnl::matmul::primitive_desc desc(engine, a_md, b_md, out_md);
+    dnnl::matmul matmul(desc);
+    dnnl::memory a_mem(a_md, engine, a.untyped_data());
+    dnnl::memory b_mem(b_md, engine, b.untyped_data());
+    dnnl::memory out_mem(out_md, engine, out->untyped_data());
+    dnnl::stream stream(engine);
+    matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, out_mem}});
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("onednn_matmul: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlOnednnMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("trans_a")
+                                  .Attr<int64_t>("trans_b"));
+
+// The oneDNN version this library was built against, for the log line that says which backend runs.
+extern "C" int feynrl_onednn_version(int* major, int* minor, int* patch) {
+  const dnnl_version_t* v = dnnl_version();
+  *major = v->major;
+  *minor = v->minor;
+  *patch = v->patch;
+  return 0;
+}

@@ -1,0 +1,204 @@
+"""The oneDNN bfloat16 matmul kernel (`feynrl_jax/kernels/onednn.py`) and the `model.cpu_matmul` switch.
+
+Tolerances come from the arithmetic, never from this CPU: oneDNN multiplies bfloat16 operands exactly and
+accumulates in float32, then rounds the result to the output dtype. Against a float64 product of the same bfloat16
+operands the error is at most the output rounding `U |ref|` (U = 2^-8 for bfloat16, 2^-24 for float32) plus the
+float32 accumulation error `K 2^-24 (|a| @ |b|)` (Higham, "Accuracy and Stability of Numerical Algorithms", 2002,
+eq. 3.5, with the first-order bound K u). Gradients are such products of the cotangent rounded to bfloat16 (one
+more U relative to the cotangent).
+
+The model-level checks (the switch reaches the compiled step, "auto" resolves by the CPU, the bfloat16 step is as
+close to float64 as XLA's own bfloat16 step) run in a subprocess with one CPU device: the kernel is refused where
+JAX has several devices, as this test process has (conftest's 8 fake devices).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from feynrl_jax.config.errors import ConfigError
+from feynrl_jax.config.validation import validate
+from feynrl_jax.kernels import onednn
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler: the kernel cannot be built here"
+)
+U_BF16, U_F32 = 2.0**-8, 2.0**-24
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The installed kernel, built now if `make setup` has not (so this file tests the build too)."""
+    if not onednn.LIBRARY.is_file():
+        onednn.build()
+    assert onednn.problem() == ""
+    return onednn
+
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.normal(size=shape), jnp.float32).astype(jnp.bfloat16)
+
+
+def _f64(x):
+    return np.asarray(x, np.float64)
+
+
+def _bound(a, b, out_dtype):
+    """Elementwise error bound of `a @ b` from bf16 operands (see the module docstring)."""
+    k = a.shape[1]
+    u = U_BF16 if out_dtype == jnp.bfloat16 else U_F32
+    return u * np.abs(_f64(a) @ _f64(b)) + k * U_F32 * (np.abs(_f64(a)) @ np.abs(_f64(b))) + 1e-30
+
+
+def test_build_writes_a_library_that_loads(tmp_path, kernel):
+    path = onednn.build(tmp_path / "kernel.so")
+    assert path.is_file() and not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(RuntimeError, match="failed"):
+        onednn.build(tmp_path / "other.so", compiler=str(tmp_path / "missing-compiler"))
+    assert not list(tmp_path.glob("other*"))  # nothing half-written
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_dot_against_float64(kernel, out_dtype, trans_b):
+    rng = np.random.default_rng(0)
+    a = _bf16(rng, (37, 96))
+    b = _bf16(rng, (53, 96) if trans_b else (96, 53))
+    out = jax.jit(lambda a, b: onednn.dot(a, b, trans_b, out_dtype))(a, b)
+    assert out.dtype == out_dtype and out.shape == (37, 53)
+    bm = b.T if trans_b else b
+    error = np.abs(_f64(out) - _f64(a) @ _f64(bm))
+    assert (error <= _bound(a, bm, out_dtype)).all(), error.max()
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_dot_gradients_against_float64(kernel, trans_b):
+    rng = np.random.default_rng(1)
+    a, w = _bf16(rng, (24, 40)), rng.normal(size=(24, 32))
+    b = _bf16(rng, (32, 40) if trans_b else (40, 32))
+
+    def loss(a, b):
+        return jnp.sum(onednn.dot(a, b, trans_b, jnp.float32) * jnp.asarray(w, jnp.float32))
+
+    da, db = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
+    assert da.dtype == jnp.bfloat16 and db.dtype == jnp.bfloat16
+    g = _f64(jnp.asarray(w, jnp.float32).astype(jnp.bfloat16))  # the cotangent, rounded to bf16 by the kernel's VJP
+    bm = _f64(b).T if trans_b else _f64(b)  # out = a @ bm
+    aw = np.abs(w)
+    # da = g @ bm.T, db = a.T @ g (or g.T @ a for the transposed b): the cotangent's rounding (U relative to |w|)
+    # plus the product's own bound.
+    ref_da, bound_da = g @ bm.T, U_BF16 * (aw @ np.abs(bm.T)) + _bound(g, bm.T, jnp.bfloat16)
+    left, right = (g.T, _f64(a)) if trans_b else (_f64(a).T, g)
+    aw_left, aw_right = (aw.T, np.abs(_f64(a))) if trans_b else (np.abs(_f64(a)).T, aw)
+    ref_db, bound_db = left @ right, U_BF16 * (aw_left @ aw_right) + _bound(left, right, jnp.bfloat16)
+    assert (np.abs(_f64(da) - ref_da) <= bound_da).all()
+    assert (np.abs(_f64(db) - ref_db) <= bound_db).all()
+
+
+def test_kernel_refuses_mismatched_operands(kernel):
+    a = jnp.ones((4, 8), jnp.bfloat16)
+    with pytest.raises(Exception, match="onednn_matmul: operands must both be bf16 or f32"):
+        jax.block_until_ready(onednn._call(a, jnp.ones((8, 4), jnp.float32), False, False, jnp.float32))
+
+
+def test_switch_resolution_in_this_multi_device_process(kernel):
+    assert jax.device_count() > 1  # conftest
+    assert onednn.use_onednn("auto", jnp.bfloat16) is False  # several devices: XLA
+    assert onednn.use_onednn("onednn", jnp.float32) is False  # float32 gains nothing: XLA
+    assert onednn.use_onednn("xla", jnp.bfloat16) is False
+    with pytest.raises(ValueError, match="model.cpu_matmul='onednn' cannot run: the job has 8 devices"):
+        onednn.use_onednn("onednn", jnp.bfloat16)
+
+
+def test_validation_names_the_key(kernel, tmp_path, monkeypatch):
+    import feynrl_jax.kernels
+
+    spec = importlib.util.spec_from_file_location(
+        "grpo_demo", pathlib.Path(__file__).parents[1] / "configs/grpo_demo.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(None)
+    config.model.cpu_matmul = "onednn"
+    validate(config, num_devices=1)  # the kernel is built (the fixture): accepted
+    config.model.cpu_matmul = "mkl"
+    with pytest.raises(ConfigError, match="model.cpu_matmul"):
+        validate(config, num_devices=1)
+    monkeypatch.setattr(feynrl_jax.kernels, "ONEDNN_LIBRARY", tmp_path / "absent.so")
+    config.model.cpu_matmul = "onednn"
+    with pytest.raises(ConfigError, match="model.cpu_matmul='onednn' but the kernel is not built"):
+        validate(config, num_devices=1)
+
+
+_ONE_DEVICE = textwrap.dedent(
+    """
+    import dataclasses, json
+    import jax, jax.numpy as jnp, numpy as np
+    from feynrl_jax.kernels import onednn
+    from feynrl_jax.models import decoder
+    from feynrl_jax.models import config as model_config
+    from feynrl_jax.models.config import ModelConfig
+    from feynrl_jax.models.logprobs import sequence_logprobs
+
+    base = ModelConfig(vocab_size=384, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
+    params = decoder.init_params(base, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 384)
+    positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
+
+    def grads(config, params):
+        def loss(p):
+            return -sequence_logprobs(p, tokens, positions, config=config)[0][:, 1:].mean()
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    # The float64 reference as tests/test_shared_prefix.py makes it: the model's float32 parts lifted too.
+    float32, model_config.DTYPES = jnp.float32, (*model_config.DTYPES, "float64")
+    with jax.enable_x64(True):
+        jnp.float32 = jnp.float64
+        f64 = dataclasses.replace(base, param_dtype="float64", compute_dtype="float64")
+        ref_loss, ref = grads(f64, jax.tree.map(lambda p: np.asarray(p, np.float64), params))
+        ref_loss, ref = float(ref_loss), jax.tree.map(lambda r: np.asarray(r, np.float64), ref)
+        jnp.float32 = float32
+    out = {"auto": onednn.use_onednn("auto", jnp.bfloat16), "units": list(onednn.cpu_bf16_units()),
+           "auto_remat": base.__class__(remat="auto").resolved_remat()}
+    for backend in ("xla", "onednn"):
+        config = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul=backend)
+        text = jax.jit(lambda p: sequence_logprobs(p, tokens, positions, config=config)[0]).lower(params).as_text()
+        loss, g = grads(config, params)
+        errors = [float(np.abs(np.asarray(a, np.float64) - r).max() / np.abs(r).max())
+                  for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(ref))]
+        out[backend] = {"calls": text.count(onednn.TARGET), "loss_error": abs(float(loss) - ref_loss),
+                        "grad_error": max(errors)}
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _ONE_DEVICE], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    # The switch reaches the compiled pass: 7 projections per layer are scanned once + the tied output projection.
+    assert result["xla"]["calls"] == 0
+    assert result["onednn"]["calls"] == 8
+    # "auto" takes oneDNN exactly where the CPU has bf16 matrix instructions (one device, kernel built).
+    assert result["auto"] == bool(result["units"])
+    assert result["auto_remat"] == "full"
+    # Both bf16 passes differ from float64 by bf16 roundings of the same products; oneDNN rounds at most as often as
+    # XLA (both accumulate in float32), so its error is bounded by XLA's own plus a few U.
+    for key in ("loss_error", "grad_error"):
+        assert result["onednn"][key] <= 2 * result["xla"][key] + 4 * U_BF16, result
+    assert result["onednn"]["loss_error"] <= 8 * U_BF16
