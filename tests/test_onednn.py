@@ -122,6 +122,16 @@ def test_switch_resolution_in_this_multi_device_process(kernel):
         onednn.use_onednn("onednn", jnp.bfloat16)
 
 
+def test_trainers_log_the_backend_and_refuse_onednn_on_several_devices():
+    from feynrl_jax.models.config import ModelConfig
+    from feynrl_jax.train import run_setup
+
+    line = run_setup.log_compute(ModelConfig(compute_dtype="bfloat16", cpu_matmul="auto", remat="auto"))
+    assert "matrix products by XLA" in line and "remat 'full'" in line
+    with pytest.raises(ValueError, match="model.cpu_matmul='onednn' cannot run"):
+        run_setup.log_compute(ModelConfig(compute_dtype="bfloat16", cpu_matmul="onednn"))
+
+
 def test_validation_names_the_key(kernel, tmp_path, monkeypatch):
     import feynrl_jax.kernels
 
@@ -171,7 +181,10 @@ _ONE_DEVICE = textwrap.dedent(
         ref_loss, ref = grads(f64, jax.tree.map(lambda p: np.asarray(p, np.float64), params))
         ref_loss, ref = float(ref_loss), jax.tree.map(lambda r: np.asarray(r, np.float64), ref)
         jnp.float32 = float32
+    from feynrl_jax.train import run_setup
+    bf16_auto = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul="auto")
     out = {"auto": onednn.use_onednn("auto", jnp.bfloat16), "units": list(onednn.cpu_bf16_units()),
+           "log": run_setup.log_compute(bf16_auto),
            "auto_remat": base.__class__(remat="auto").resolved_remat()}
     for backend in ("xla", "onednn"):
         config = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul=backend)
@@ -196,6 +209,7 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel)
     assert result["onednn"]["calls"] == 8
     # "auto" takes oneDNN exactly where the CPU has bf16 matrix instructions (one device, kernel built).
     assert result["auto"] == bool(result["units"])
+    assert ("matrix products by oneDNN" in result["log"]) == bool(result["units"])
     assert result["auto_remat"] == "full"
     # Both bf16 passes differ from float64 by bf16 roundings of the same products; oneDNN rounds at most as often as
     # XLA (both accumulate in float32), so its error is bounded by XLA's own plus a few U.

@@ -25,7 +25,7 @@ import resume_harness as harness
 from feynrl_jax.checkpoints.train_state import TrainCheckpointer, latest_step
 from feynrl_jax.tracking import read_metrics
 
-TOTAL_STEPS = 6
+TOTAL_STEPS = 4
 SAVE_EVERY = 2
 KILL_AFTER_LOGGED_STEP = 3
 

@@ -9,8 +9,10 @@
 // a and b share one element type (bf16 or f32); out is bf16 or f32. Transposes are read through strides, so the
 // backward pass (dx = dy @ w^T, dw = x^T @ dy) needs no copies.
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -35,6 +37,22 @@ bool dnnl_type(ffi::DataType type, dnnl::memory::data_type* out) {
     default:
       return false;
   }
+}
+
+// One matmul primitive per shape, transpose and dtypes, created once per process: creating a primitive
+// descriptor costs tens of microseconds, as much as a decode step's small products themselves.
+using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int>;
+
+dnnl::matmul cached_matmul(const Key& key, const dnnl::memory::desc& a_md, const dnnl::memory::desc& b_md,
+                           const dnnl::memory::desc& out_md) {
+  static std::mutex mutex;
+  static std::map<Key, dnnl::matmul> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  dnnl::matmul matmul(dnnl::matmul::primitive_desc(cpu_engine(), a_md, b_md, out_md));
+  cache.emplace(key, matmul);
+  return matmul;
 }
 
 // A [rows, cols] view of a 2-D buffer of shape `shape`, read transposed when `trans`.
@@ -71,14 +89,12 @@ ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
     auto a_md = view(m, k, in_type, trans_a);
     auto b_md = view(k, n, in_type, trans_b);
     auto out_md = dnnl::memory::desc({m, n}, out_type, {n, 1});
-    // oneDNN keeps created primitives in its own cache (keyed by the descriptors), so a repeated shape reuses its
-    // generated kernel.
-    dnnl::matmul::primitive_desc desc(engine, a_md, b_md, out_md);
-    dnnl::matmul matmul(desc);
+    Key key{m, k, n, trans_a != 0, trans_b != 0, static_cast<int>(in_type), static_cast<int>(out_type)};
+    dnnl::matmul matmul = cached_matmul(key, a_md, b_md, out_md);
     dnnl::memory a_mem(a_md, engine, a.untyped_data());
     dnnl::memory b_mem(b_md, engine, b.untyped_data());
     dnnl::memory out_mem(out_md, engine, out->untyped_data());
-    dnnl::stream stream(engine);
+    thread_local dnnl::stream stream(engine);
     matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, out_mem}});
     stream.wait();
   } catch (const dnnl::error& e) {

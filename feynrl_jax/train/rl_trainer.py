@@ -389,6 +389,7 @@ class RLTrainer:
         self.tokenizer = run_setup.load_run_tokenizer(self.source)
         self.model_config: ModelConfig = run_setup.model_config(config.model, self.source, self.tokenizer)
         self.mesh, self.rules = run_setup.build_mesh(config.mesh)
+        run_setup.log_compute(self.model_config)
         self.pad_id = self.model_config.pad_token_id if self.model_config.pad_token_id is not None else 0
         self.total_updates = settings.steps * settings.ppo_epochs * settings.mini_batches
         self.micro_choice = token_budget.rl_micro_batch(

@@ -104,6 +104,25 @@ def tokenizer_size(tokenizer: Any) -> int:
     return max(len(tokenizer), max(vocab.values(), default=-1) + 1)
 
 
+def log_compute(config: ModelConfig) -> str:
+    """Logs (and returns) how a trainer computes: dtype, the backend of its bfloat16 products, remat.
+
+    Called where a trainer has its devices, so `model.cpu_matmul="onednn"` that cannot run fails at start-up.
+
+    Raises:
+        ValueError: `model.cpu_matmul="onednn"` where the kernel cannot run (`kernels.onednn.use_onednn`).
+    """
+    from feynrl_jax.kernels import onednn
+
+    products = "oneDNN" if onednn.use_onednn(config.cpu_matmul, config.compute_dtype) else "XLA"
+    line = (
+        f"compute in {config.compute_dtype} (params {config.param_dtype}), matrix products by {products} "
+        f"(model.cpu_matmul={config.cpu_matmul!r}), remat {config.resolved_remat()!r} (model.remat={config.remat!r})"
+    )
+    log.info(line)
+    return line
+
+
 def model_config(model_cfg: ConfigDict, source: ModelSource, tokenizer: Any) -> ModelConfig:
     """The `ModelConfig`: read from the weights folder, or built from `model.arch` for a random init.
 

@@ -135,6 +135,7 @@ def run_supervised(
     tokenizer = run_setup.load_run_tokenizer(source)
     model_config = run_setup.model_config(config.model, source, tokenizer)
     mesh, rules = run_setup.build_mesh(config.mesh)
+    run_setup.log_compute(model_config)
     algorithm = ALGORITHMS[config.algo.name]
     plan = batch_plan(config)
     total_steps = config.train.steps
