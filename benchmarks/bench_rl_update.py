@@ -93,6 +93,7 @@ def rl_config(args, workdir: str, pack: bool):
     config.checkpoint.every_steps = 0
     config.optim.lr = 1e-6
     config.model.compute_dtype = args.precision  # float32 weights (and masters) either way
+    config.model.remat = args.remat
     return config
 
 
@@ -134,8 +135,8 @@ def run_plain(args) -> dict:
     from feynrl_jax.train.rl_batch import rollouts_to_batch
     from feynrl_jax.train.step import make_algorithm_train_step
 
-    # As a run's config makes it (model.remat and model.cpu_matmul default to "auto"), in the chosen precision.
-    config = ModelConfig(**SMOLLM2_135M, compute_dtype=args.precision, remat="auto", cpu_matmul="auto")
+    # As a run's config makes it (model.cpu_matmul defaults to "auto"), in the chosen precision and remat.
+    config = ModelConfig(**SMOLLM2_135M, compute_dtype=args.precision, remat=args.remat, cpu_matmul="auto")
     seq_len = PROMPT_WIDTH + args.max_new_tokens
     rows_per_micro = max(1, args.micro_tokens // seq_len)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -180,6 +181,7 @@ def main() -> None:
     parser.add_argument("--micro-tokens", type=int, default=1024, help="token slots per micro-batch (all sides)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    parser.add_argument("--remat", choices=("auto", "none", "full", "dots"), default="auto", help="model.remat")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="bench_rl_update_")

@@ -43,6 +43,11 @@ def test_rl_with_lora_syncs_adapters_only(ray_session, tmp_path, algo, staleness
     if algo == "grpo":  # PPO has no KL term
         config.algo.kl_coef = 0.05
         config.algo.reference = "initial"
+        # Rewards that differ within groups, so the adapters get a policy gradient: the tiny random model never
+        # solves chain_sum, and with equal rewards and the policy equal to the reference GRPO's gradient is zero.
+        # (Some of its random completions start with whitespace and some do not.)
+        config.rollout.rewards = {"format": 1.0}
+        config.rollout.reward_kwargs = {"format": {"pattern": r"\s.*"}}
     config.model.lora.rank = 4
     # QLoRA: the NF4 base is published once as it is stored; the native engine dequantizes it as the trainer does.
     config.model.lora.quantize_base = quantize_base

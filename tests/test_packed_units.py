@@ -260,8 +260,14 @@ def test_budget_refuses_what_cannot_fit_naming_the_key():
         _choose(8.0, micro_batch_size=32)
     with pytest.raises(ValueError, match="train.micro_batch_tokens=100 is smaller"):
         _choose(200.0, micro_batch_tokens=100)
-    with pytest.raises(ValueError, match="data.max_seq_len"):
+    with pytest.raises(ValueError, match="data.max_seq_len.*or set model.remat='full'"):
         _choose(1.0)
+    # Where the model already recomputes every layer ("auto" on a CPU), remat is not suggested.
+    recomputing = dataclasses.replace(SMOL, remat="auto")
+    with pytest.raises(ValueError, match="data.max_seq_len") as refused:
+        args = dict(micro_batch_size=0, micro_batch_tokens=0, seq_len=192, group_size=8, shards=1)
+        rl_micro_batch(PLAN, recomputing, **args, shared_width=64 + 8 * 128, free=(int(0.1 * GIB), 0.4))
+    assert "model.remat" not in str(refused.value)
 
 
 @pytest.mark.parametrize("remat, width", [("none", 128), ("full", 128)])

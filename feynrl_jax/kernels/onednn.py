@@ -4,18 +4,21 @@ Why: XLA:CPU widens bfloat16 dot operands to float32 and multiplies at the float
 faster than a float32 one on a CPU. oneDNN runs the same product on the CPU's bfloat16 instructions (AMX tiles
 where the CPU has `amx_bf16`, `vdpbf16ps` where it has `avx512_bf16`) with float32 accumulation, as PyTorch does
 on these CPUs. Measured on a 2-core AMD EPYC with AVX-512-BF16 and no AMX, a 2048x576x1536 product: XLA bfloat16
-174 GFLOP/s, XLA float32 205, oneDNN bfloat16 403, PyTorch bfloat16 403 (`benchmarks/bench_cpu_matmul.py`).
+196 GFLOP/s, XLA float32 211, oneDNN bfloat16 424, PyTorch bfloat16 425 (`benchmarks/bench_cpu_matmul.py`).
 
 The kernel (`onednn_matmul.cc`) is compiled against the `onednn-cpu-gomp` wheel's library and headers and XLA's
 FFI headers (`jax.ffi.include_dir()`) by `build`, which `make setup` runs; the library lands beside this file.
-Without it (no compiler, no oneDNN) every product stays with XLA.
+Without it (no compiler, no oneDNN) every product stays with XLA. The library records a hash of the source it was
+compiled from; one built from another version of `onednn_matmul.cc` is not loaded (`make setup` rebuilds it).
 
 `model.cpu_matmul` picks the backend of the decoder's projections and output projection (`decoder.forward`,
 `decoder.logits`):
 - "auto" (default): oneDNN when the compute dtype is bfloat16, JAX runs on one CPU device, the CPU has bfloat16
   matrix instructions and the library is built; XLA otherwise (float32 gains nothing: both run at the same rate).
-- "onednn": oneDNN for bfloat16 products, refused at validation when the library cannot load, and at trace time
-  on an accelerator or a multi-device job (XLA's partitioner would gather a custom call's operands onto each device).
+- "onednn": oneDNN for bfloat16 products, refused at validation when the library is not built, and where a trainer
+  starts (`run_setup.log_compute`) or a pass is traced when it cannot load, on an accelerator, in a multi-device job
+  (XLA's partitioner would gather a custom call's operands onto each device) or on a CPU without AVX-512 (oneDNN 3.2
+  has no bfloat16 matmul there).
 - "xla": always XLA.
 
 The gradient (`dot`'s custom VJP) is two more oneDNN products that read the transposes through strides; the
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -43,7 +47,15 @@ SOURCE = Path(__file__).with_name("onednn_matmul.cc")
 LIBRARY = ONEDNN_LIBRARY
 TARGET = "feynrl_onednn_matmul"
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-"""/proc/cpuinfo flags of bfloat16 matrix instructions oneDNN uses; without them it emulates bf16 in float32."""
+"""/proc/cpuinfo flags of bfloat16 matrix instructions oneDNN uses."""
+AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+"""Without bf16 instructions, oneDNN computes a bfloat16 matmul in float32 on these (AVX-512 "core"); without them it
+has none."""
+
+
+def source_hash() -> str:
+    """The first 16 hex digits of the SHA-256 of `onednn_matmul.cc`, compiled into the library by `build`."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def _prefix_dirs() -> tuple[Path, Path]:
@@ -76,6 +88,7 @@ def build(output: Path = LIBRARY, compiler: str | None = None) -> Path:
         "-shared",
         "-fPIC",
         "-Wno-return-type",  # XLA's FFI headers end switch-covered functions without a return
+        f'-DFEYNRL_ONEDNN_SOURCE_HASH="{source_hash()}"',
         str(SOURCE),
         f"-I{jax.ffi.include_dir()}",
         f"-I{include}",
@@ -99,6 +112,9 @@ def build(output: Path = LIBRARY, compiler: str | None = None) -> Path:
     return output
 
 
+_REGISTERED: set[str] = set()
+
+
 @functools.cache
 def _load() -> tuple[bool, str]:
     """Loads the built library and registers its FFI target once per process: `(loaded, why not)`."""
@@ -108,7 +124,18 @@ def _load() -> tuple[bool, str]:
         library = ctypes.cdll.LoadLibrary(str(LIBRARY))
     except OSError as error:
         return False, f"{LIBRARY} does not load: {error}"
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.FeynrlOnednnMatmul), platform="cpu")
+    built_from = getattr(library, "feynrl_onednn_source_hash", None)
+    if built_from is not None:
+        built_from.restype = ctypes.c_char_p
+        built_from = built_from().decode()
+    if built_from != source_hash():
+        return False, (
+            f"{LIBRARY} was built from another version of {SOURCE.name}: rebuild it "
+            "(python -m feynrl_jax.kernels.onednn build; `make setup` does)"
+        )
+    if TARGET not in _REGISTERED:  # once per process, also when a rebuilt library is loaded again
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.FeynrlOnednnMatmul), platform="cpu")
+        _REGISTERED.add(TARGET)
     return True, ""
 
 
@@ -118,14 +145,18 @@ def problem() -> str:
 
 
 @functools.cache
-def cpu_bf16_units() -> tuple[str, ...]:
-    """The `CPU_BF16_FLAGS` this CPU has (from /proc/cpuinfo; empty where it cannot be read)."""
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags (empty where they cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return ()
-    return tuple(flag for flag in CPU_BF16_FLAGS if flag in flags)
+        return frozenset()
+
+
+def cpu_bf16_units() -> tuple[str, ...]:
+    """The `CPU_BF16_FLAGS` this CPU has."""
+    return tuple(flag for flag in CPU_BF16_FLAGS if flag in _cpu_flags())
 
 
 def use_onednn(backend: str, dtype) -> bool:
@@ -141,6 +172,8 @@ def use_onednn(backend: str, dtype) -> bool:
         why = problem()
         if not why and jax.default_backend() != "cpu":
             why = f"JAX runs on {jax.default_backend()!r}, not a CPU"
+        if not why and not cpu_bf16_units() and not set(AVX512_CORE) <= _cpu_flags():
+            why = "this CPU has neither bf16 instructions nor AVX-512, where oneDNN 3.2 has no bfloat16 matmul"
         if not why and jax.device_count() > 1:
             why = f"the job has {jax.device_count()} devices; the kernel runs where there is one"
         if why:
@@ -202,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if not loaded:
         print(f"oneDNN kernel built at {path} but {why}", file=sys.stderr)
         return 1
-    units = ", ".join(cpu_bf16_units()) or "none (oneDNN emulates bf16; model.cpu_matmul='auto' keeps XLA)"
+    units = ", ".join(cpu_bf16_units()) or "none (model.cpu_matmul='auto' keeps XLA)"
     print(f"oneDNN kernel built: {path}; this CPU's bf16 matrix instructions: {units}")
     return 0
 

@@ -9,8 +9,9 @@
 // a and b share one element type (bf16 or f32); out is bf16 or f32. Transposes are read through strides, so the
 // backward pass (dx = dy @ w^T, dw = x^T @ dy) needs no copies.
 #include <cstdint>
+#include <cstring>
+#include <exception>
 #include <map>
-#include <mutex>
 #include <string>
 #include <tuple>
 
@@ -39,15 +40,15 @@ bool dnnl_type(ffi::DataType type, dnnl::memory::data_type* out) {
   }
 }
 
-// One matmul primitive per shape, transpose and dtypes, created once per process: creating a primitive
-// descriptor costs tens of microseconds, as much as a decode step's small products themselves.
+// One matmul primitive per shape, transpose and dtypes, created once per calling thread: creating a primitive
+// descriptor costs tens of microseconds, as much as a decode step's small products themselves. Per thread, because
+// a oneDNN primitive must not run on two threads at once (its scratchpad is its own; this build does not enable
+// concurrent execution), and XLA runs independent products of one shape (gate and up, k and v) concurrently.
 using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int>;
 
 dnnl::matmul cached_matmul(const Key& key, const dnnl::memory::desc& a_md, const dnnl::memory::desc& b_md,
                            const dnnl::memory::desc& out_md) {
-  static std::mutex mutex;
-  static std::map<Key, dnnl::matmul> cache;
-  std::lock_guard<std::mutex> lock(mutex);
+  thread_local std::map<Key, dnnl::matmul> cache;
   auto found = cache.find(key);
   if (found != cache.end()) return found->second;
   dnnl::matmul matmul(dnnl::matmul::primitive_desc(cpu_engine(), a_md, b_md, out_md));
@@ -55,7 +56,7 @@ dnnl::matmul cached_matmul(const Key& key, const dnnl::memory::desc& a_md, const
   return matmul;
 }
 
-// A [rows, cols] view of a 2-D buffer of shape `shape`, read transposed when `trans`.
+// A [rows, cols] view of a row-major 2-D buffer: [rows, cols] itself, or [cols, rows] read transposed when `trans`.
 dnnl::memory::desc view(int64_t rows, int64_t cols, dnnl::memory::data_type type, bool trans) {
   return trans ? dnnl::memory::desc({rows, cols}, type, {1, rows}) : dnnl::memory::desc({rows, cols}, type, {cols, 1});
 }
@@ -84,6 +85,10 @@ ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
     return ffi::Error::InvalidArgument("onednn_matmul: operands must both be bf16 or f32, the result bf16 or f32");
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {  // an empty sum
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
   try {
     dnnl::engine& engine = cpu_engine();
     auto a_md = view(m, k, in_type, trans_a);
@@ -99,6 +104,8 @@ ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
     stream.wait();
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("onednn_matmul: ") + e.what());
+  } catch (const std::exception& e) {  // nothing may cross the FFI boundary
+    return ffi::Error::Internal(std::string("onednn_matmul: ") + e.what());
   }
   return ffi::Error::Success();
 }
@@ -113,11 +120,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlOnednnMatmul, Matmul,
                                   .Attr<int64_t>("trans_a")
                                   .Attr<int64_t>("trans_b"));
 
-// The oneDNN version this library was built against, for the log line that says which backend runs.
-extern "C" int feynrl_onednn_version(int* major, int* minor, int* patch) {
-  const dnnl_version_t* v = dnnl_version();
-  *major = v->major;
-  *minor = v->minor;
-  *patch = v->patch;
-  return 0;
-}
+// The source this library was compiled from (a hash `build` passes), so a library older than its source is refused.
+#ifndef FEYNRL_ONEDNN_SOURCE_HASH
+#define FEYNRL_ONEDNN_SOURCE_HASH "unknown"
+#endif
+extern "C" const char* feynrl_onednn_source_hash() { return FEYNRL_ONEDNN_SOURCE_HASH; }

@@ -56,12 +56,16 @@ def activation_bytes_per_token(config: ModelConfig, width: int, *, chunk_size: i
 
 def state_bytes(config: ModelConfig) -> int:
     """Estimated bytes of the train state and step buffers: the params, and for each trained weight (the adapters
-    alone under LoRA, `ParamsSpec.trainable`) two optimizer moments and two float32 gradient buffers."""
+    alone under LoRA, `ParamsSpec.trainable`) two optimizer moments and two float32 gradient buffers; where the model
+    computes in a narrower dtype than its params, the copy of the layer weights `forward` casts once per pass (and
+    that keeps through the backward pass)."""
     spec = ParamsSpec.of_model(config)
     leaves = jax.tree_util.tree_leaves_with_path(spec.shape)
     params = sum(x.size * x.dtype.itemsize for _, x in leaves)
     trained = sum(x.size for path, x in leaves if spec.trainable is None or spec.trainable(path))
-    return int(params + trained * 4 * 4)
+    compute = jnp.dtype(config.compute_dtype).itemsize
+    cast = sum(x.size * compute for _, x in leaves if x.dtype.itemsize > compute)
+    return int(params + trained * 4 * 4 + cast)
 
 
 def _host_free_bytes() -> int:
@@ -190,13 +194,15 @@ def rl_micro_batch(
         return fixed + tokens * activation_bytes_per_token(model, width)
 
     mini = plan.mini_batch_size
+    # Suggested only where it would change something (model.remat="auto" is already "full" on a CPU).
+    remat = "" if model.resolved_remat() == "full" else ", or set model.remat='full'"
     if micro_batch_size > 0:
         need = estimate(micro_batch_size)
         if need > free_total:
             raise ValueError(
                 f"train.micro_batch_size={micro_batch_size}: a train step of {micro_batch_size} sequences of up to "
                 f"{seq_len} tokens needs about {_gib(need)} (estimated), more than the {_gib(free_total)} free; lower "
-                "train.micro_batch_size (or set it to 0 to size micro-batches by memory), or set model.remat='full'"
+                f"train.micro_batch_size (or set it to 0 to size micro-batches by memory){remat}"
             )
         return MicroBatchChoice(plan, 0, need, free_total)
     candidates = [d for d in range(mini, 0, -1) if mini % d == 0 and d % shards == 0]
@@ -221,8 +227,8 @@ def rl_micro_batch(
             raise ValueError(
                 f"the smallest RL micro-batch ({candidates[-1]} sequence(s) of up to {seq_len} tokens) needs about "
                 f"{_gib(estimate(candidates[-1]))} (estimated), more than {share:.0%} of the {_gib(free_total)} "
-                "free; lower data.max_seq_len (or rollout.max_new_tokens), set model.remat='full', or set "
-                "train.micro_batch_tokens to accept the risk"
+                f"free; lower data.max_seq_len (or rollout.max_new_tokens){remat}, or set train.micro_batch_tokens "
+                "to accept the risk"
             )
     d = fits[0]
     log.info(
