@@ -179,7 +179,7 @@ def as_param_dtype(params: Params, config: ModelConfig) -> Params:
     """
     dtype = jnp.dtype(config.param_dtype)
     # NF4 codes and their float32 block scales stay as they are (`quant.dequantize` makes the compute dtype).
-    return jax.tree_util.tree_map_with_path(lambda path, p: p if quant.is_quant_path(path) else p.astype(dtype), params)
+    return _in_dtype(params, dtype)
 
 
 def _in_dtype(tree, dtype):
