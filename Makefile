@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine (Python 3.11, pip, git):
 #   make demo   creates .venv, installs, runs the main job
-#   make test   creates .venv, installs, runs lint and every test tier (tests/ and tests_vllm/)
+#   make test   creates .venv, installs, runs lint and every test tier (tests/, tests_vllm/, notebooks/)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # Transparent huge pages for malloc (feynrl_jax/host_memory.py): about 15% faster CPU training steps.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
-.PHONY: setup demo test test-fast test-vllm lint clean
+.PHONY: setup demo test test-fast test-vllm test-notebooks lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-notebooks
+
+# The research notebooks, each executed top to bottom in a fresh kernel (nbmake); they are stored without outputs.
+test-notebooks: setup
+	$(BIN)/python -m pytest -q --nbmake --nbmake-timeout=300 notebooks
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -10,11 +10,11 @@ Variants (comma-separated after the colon): the name of a registered RL algorith
 on (KL coefficient 0.01) for the algorithms that use one.
 """
 
-from feynrl_jax.config.algorithms import ALGORITHM_TRAITS
+from feynrl_jax.config import ALGORITHMS
 from feynrl_jax.config.base import add_data_source, base_config, data_source
 from feynrl_jax.config.variants import parse_variants, use_tiny_model
 
-RL_ALGORITHMS = tuple(name for name, traits in ALGORITHM_TRAITS.items() if traits.paradigm == "rl")
+RL_ALGORITHMS = tuple(name for name, algorithm in ALGORITHMS.items() if algorithm.paradigm == "rl")
 
 
 def get_config(arg=None):
@@ -34,7 +34,7 @@ def get_config(arg=None):
 
     name = next(iter(variants), "grpo")
     config.algo.name = name
-    if ALGORITHM_TRAITS[name].needs_reference:
+    if ALGORITHMS[name].needs_reference:
         config.algo.kl_coef = 0.01
         config.algo.reference = "initial"
     else:

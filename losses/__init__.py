@@ -1,52 +1,66 @@
 """feynrl_jax.losses: every algorithm as a pure, model-free, jittable function of arrays.
 
 Imports only jax, numpy, chex and the standard library. See losses/README.md for the table of algorithms.
+
+The names below are loaded when first read (PEP 562), so `feynrl_jax.losses.registry` (plain data: what the config
+layer validates against) imports without JAX; `from feynrl_jax.losses import grpo_loss` works as usual.
 """
 
-from feynrl_jax.losses import advantages, aggregation, kl, off_policy, sequences, value
-from feynrl_jax.losses.aggregation import AGGREGATIONS, LossSum, aggregate
-from feynrl_jax.losses.batch import TrainBatch
-from feynrl_jax.losses.cispo import cispo_loss
-from feynrl_jax.losses.dpo import dpo_loss, ipo_loss
-from feynrl_jax.losses.grpo import grpo_loss
-from feynrl_jax.losses.gspo import gspo_loss
-from feynrl_jax.losses.kl import KL_ESTIMATORS, k1, k2, k3, kl_estimate, kl_reward_penalty
-from feynrl_jax.losses.metrics import Metric, combine_metrics, compute_metrics
-from feynrl_jax.losses.p3o import p3o_loss
-from feynrl_jax.losses.ppo import ppo_loss
-from feynrl_jax.losses.registry import ALGORITHMS, Algorithm
-from feynrl_jax.losses.sft import sft_loss
-from feynrl_jax.losses.value import clipped_value_error
+from __future__ import annotations
 
-__all__ = [
-    "AGGREGATIONS",
-    "ALGORITHMS",
-    "Algorithm",
-    "KL_ESTIMATORS",
-    "LossSum",
-    "Metric",
-    "TrainBatch",
-    "advantages",
-    "aggregate",
-    "aggregation",
-    "cispo_loss",
-    "clipped_value_error",
-    "combine_metrics",
-    "compute_metrics",
-    "dpo_loss",
-    "grpo_loss",
-    "gspo_loss",
-    "ipo_loss",
-    "k1",
-    "k2",
-    "k3",
-    "kl",
-    "kl_estimate",
-    "kl_reward_penalty",
-    "off_policy",
-    "p3o_loss",
-    "ppo_loss",
-    "sequences",
-    "sft_loss",
-    "value",
-]
+import importlib
+from typing import Any
+
+# Public name -> the submodule that defines it (a submodule itself maps to None).
+_EXPORTS: dict[str, str | None] = {
+    "advantages": None,
+    "aggregation": None,
+    "kl": None,
+    "off_policy": None,
+    "sequences": None,
+    "value": None,
+    "registry": None,
+    "AGGREGATIONS": "aggregation",
+    "LossSum": "aggregation",
+    "aggregate": "aggregation",
+    "TrainBatch": "batch",
+    "cispo_loss": "cispo",
+    "dpo_loss": "dpo",
+    "ipo_loss": "dpo",
+    "grpo_loss": "grpo",
+    "gspo_loss": "gspo",
+    "KL_ESTIMATORS": "kl",
+    "k1": "kl",
+    "k2": "kl",
+    "k3": "kl",
+    "kl_estimate": "kl",
+    "kl_reward_penalty": "kl",
+    "Metric": "metrics",
+    "combine_metrics": "metrics",
+    "compute_metrics": "metrics",
+    "p3o_loss": "p3o",
+    "ppo_loss": "ppo",
+    "ALGORITHMS": "registry",
+    "Algorithm": "registry",
+    "get_algorithm": "registry",
+    "register_algorithm": "registry",
+    "sft_loss": "sft",
+    "clipped_value_error": "value",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _EXPORTS[name]
+    if module is None:
+        return importlib.import_module(f"{__name__}.{name}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,8 +1,21 @@
-"""The algorithm registry: one frozen record per algorithm, one line each.
+"""The algorithm registry: one record per algorithm, one line each, and nothing imported until it is used.
 
-An :class:`Algorithm` names its loss, its advantage estimator and which extra models the loop must run.
+An :class:`Algorithm` names its loss as ``"module:function"``, its advantage estimator by the name of a function
+of :mod:`advantages` (or ``"module:function"``), and which extra models the loop must run. Records are plain
+data, so the config layer checks ``algo.name`` and the traits it needs (paradigm, reference, groups) without
+importing JAX; the loss's module is imported the first time ``loss_fn`` or ``hyperparameters`` is read.
 ``hyperparameters`` lists every keyword of the loss with this algorithm's default (read from the loss
 signature, then overridden per entry), so a config can be checked against it key by key.
+
+Algorithms from outside the package, found by :func:`get_algorithm`:
+
+* ``algo.name = "my_pkg.my_losses:my_loss"`` imports ``my_pkg.my_losses`` and reads ``my_loss``: an
+  :class:`Algorithm` (what :func:`register_algorithm` returns) is used as it is; a loss function that the module
+  registered (once) gets its registered traits; any other loss function is an RL loss with GRPO's estimator and no
+  reference or critic (:data:`PLAIN_LOSS_TRAITS`). The module must be importable where the loss runs: installed,
+  or in the working directory (Ray's local workers start there).
+* ``register_algorithm("my_loss", my_loss, advantage="rloo")`` registers a short name in this process. The RL
+  loop hands the record to its trainer actors, so a loss defined in a notebook cell trains too.
 
 Advantage estimators (see :mod:`advantages`): sequence-level ones take ``(rewards [N], group_id [N],
 completion_mask [N, C])``; ``gae`` (algorithms with ``needs_critic``) takes per-token rewards, values, mask and
@@ -13,21 +26,53 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
-from feynrl_jax.losses import advantages
-from feynrl_jax.losses.cispo import cispo_loss
-from feynrl_jax.losses.dpo import dpo_loss, ipo_loss
-from feynrl_jax.losses.grpo import grpo_loss
-from feynrl_jax.losses.gspo import gspo_loss
-from feynrl_jax.losses.p3o import p3o_loss
-from feynrl_jax.losses.ppo import ppo_loss
-from feynrl_jax.losses.sft import sft_loss
+PARADIGMS = ("sft", "dpo", "rl")
+"""Paradigms an algorithm trains in (the config's `paradigm` must match; "eval" runs no algorithm)."""
 
-_PARADIGMS = ("sft", "dpo", "rl")
+GROUP_ADVANTAGES = ("group_zscore", "group_mean", "rloo")
+"""Estimators of `advantages` that compare the samples of one prompt, so a step needs `n_samples >= 2`."""
+
+SEQUENCE_ADVANTAGES = (*GROUP_ADVANTAGES, "reinforce_pp")
+"""Estimators of `advantages` with the sequence-level signature `(rewards, group_id, completion_mask)`."""
+
+_ADVANTAGES_MODULE = "feynrl_jax.losses.advantages"
 _INPUT_KEYWORDS = ("entropy", "values")
+
+
+def load_reference(reference: str) -> Any:
+    """Imports ``"package.module:attribute"`` (dots in the attribute follow attributes) and returns the object.
+
+    Raises:
+        ValueError: the reference is not of that form, its module cannot be imported, or it has no such attribute;
+            the message names the reference.
+    """
+    module_name, sep, attribute = reference.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"{reference!r} is not a 'package.module:function' reference")
+    try:
+        found = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"{reference!r}: cannot import module {module_name!r} ({error}); it must be installed or in the "
+            "working directory"
+        ) from error
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise ValueError(f"{reference!r}: module {module_name!r} has no attribute {attribute!r}")
+        found = getattr(found, part)
+    return found
+
+
+def _resolve(target: str | Callable[..., Any], what: str) -> Callable[..., Any]:
+    function = load_reference(target) if isinstance(target, str) else target
+    if not callable(function):
+        raise ValueError(f"{what} {target!r} is not callable")
+    return function
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -36,23 +81,64 @@ class Algorithm:
 
     Attributes:
         name: registry key.
-        loss_fn: ``loss(logprobs, batch, *, entropy=None, values=None, **hyperparameters)``.
-        advantage_fn: advantage estimator, or None (SFT, DPO).
-        needs_reference: the loop must fill ``batch.ref_logprobs``.
-        needs_critic: the loop must run a critic (``values`` argument, ``batch.values``/``returns``).
-        uses_entropy: the loss reads the ``entropy`` argument.
-        hyperparameters: every loss keyword with its default for this algorithm.
+        loss: ``loss(logprobs, batch, *, entropy=None, values=None, **hyperparameters)``, or its
+            ``"module:function"`` reference (imported on first use).
+        advantage: the advantage estimator: the name of a function of :mod:`advantages`, a ``"module:function"``
+            reference or a function with the sequence-level signature; None for SFT and DPO.
         paradigm: "sft", "dpo" or "rl".
+        needs_reference: the loss uses reference-model log-probabilities (a KL term, or DPO's log-ratios); the
+            loop fills ``batch.ref_logprobs``.
+        needs_critic: the loop runs a critic (``values`` argument, ``batch.values``/``returns``; GAE advantages).
+        uses_entropy: the loss reads the ``entropy`` argument.
+        group_based: the estimator compares the samples of one prompt, so a step needs ``n_samples >= 2`` (and
+            DAPO's dynamic sampling can drop groups of equal rewards).
+        overrides: this algorithm's hyperparameter defaults where they differ from the loss signature's.
     """
 
     name: str
-    loss_fn: Callable[..., Any]
-    advantage_fn: Callable[..., Any] | None
-    needs_reference: bool
-    needs_critic: bool
-    uses_entropy: bool
-    hyperparameters: dict[str, Any]
+    loss: str | Callable[..., Any]
+    advantage: str | Callable[..., Any] | None
     paradigm: str
+    needs_reference: bool = False
+    needs_critic: bool = False
+    uses_entropy: bool = False
+    group_based: bool = False
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def loss_fn(self) -> Callable[..., Any]:
+        """The loss function (its module imported on first use)."""
+        return _resolve(self.loss, f"algorithm {self.name!r}: loss")
+
+    @functools.cached_property
+    def advantage_fn(self) -> Callable[..., Any] | None:
+        """The advantage estimator, or None (SFT, DPO)."""
+        if self.advantage is None:
+            return None
+        if isinstance(self.advantage, str) and ":" not in self.advantage:
+            return getattr(importlib.import_module(_ADVANTAGES_MODULE), self.advantage)
+        return _resolve(self.advantage, f"algorithm {self.name!r}: advantage")
+
+    @functools.cached_property
+    def hyperparameters(self) -> dict[str, Any]:
+        """Every keyword of the loss with this algorithm's default.
+
+        Raises:
+            ValueError: an override names no keyword of the loss.
+        """
+        signature = inspect.signature(self.loss_fn)
+        defaults = {
+            key: p.default
+            for key, p in signature.parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and key not in _INPUT_KEYWORDS
+        }
+        missing = sorted(key for key, value in defaults.items() if value is inspect.Parameter.empty)
+        if missing:
+            raise ValueError(f"algorithm {self.name!r}: loss keyword(s) {missing} need a default value")
+        unknown = sorted(set(self.overrides) - set(defaults))
+        if unknown:
+            raise ValueError(f"algorithm {self.name!r}: {self.loss_fn.__name__} has no keyword(s) {unknown}")
+        return {**defaults, **self.overrides}
 
     def make_loss(self, **overrides: Any) -> Callable[..., Any]:
         """The loss with this algorithm's defaults bound, updated by ``overrides``.
@@ -68,39 +154,69 @@ class Algorithm:
         return functools.partial(self.loss_fn, **{**self.hyperparameters, **overrides})
 
 
-def _algorithm(
+def algorithm(
     name: str,
-    loss_fn: Callable[..., Any],
-    advantage_fn: Callable[..., Any] | None,
+    loss: str | Callable[..., Any],
+    advantage: str | Callable[..., Any] | None = "group_zscore",
     *,
-    paradigm: str,
+    paradigm: str = "rl",
     needs_reference: bool = False,
     needs_critic: bool = False,
     uses_entropy: bool = False,
+    group_based: bool | None = None,
     **overrides: Any,
 ) -> Algorithm:
-    """Builds a record whose hyperparameters are ``loss_fn``'s keyword defaults updated by ``overrides``."""
-    if paradigm not in _PARADIGMS:
-        raise ValueError(f"algorithm {name!r}: paradigm must be one of {_PARADIGMS}, got {paradigm!r}")
-    signature = inspect.signature(loss_fn)
-    defaults = {
-        key: p.default
-        for key, p in signature.parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and key not in _INPUT_KEYWORDS
-    }
-    unknown = sorted(set(overrides) - set(defaults))
-    if unknown:
-        raise ValueError(f"algorithm {name!r}: {loss_fn.__name__} has no keyword(s) {unknown}")
+    """Builds a record, checking its traits (nothing is imported).
+
+    Args:
+        name: the registry key.
+        loss: the loss function, or its ``"module:function"`` reference.
+        advantage: the estimator: a name of :mod:`advantages` (``group_zscore``, ``group_mean``, ``rloo``,
+            ``reinforce_pp``, ``gae``), a ``"module:function"`` reference or a function
+            ``(rewards [N], group_id [N], completion_mask [N, C]) -> [N, C]``; None for SFT and DPO.
+        paradigm: "sft", "dpo" or "rl".
+        needs_reference, needs_critic, uses_entropy: see :class:`Algorithm`.
+        group_based: whether the estimator compares samples of one prompt; None derives it from a built-in
+            estimator's name and is an error for an estimator of your own.
+        **overrides: hyperparameter defaults that differ from the loss signature's.
+
+    Raises:
+        ValueError: naming the trait that is inconsistent.
+    """
+    where = f"algorithm {name!r}"
+    if paradigm not in PARADIGMS:
+        raise ValueError(f"{where}: paradigm must be one of {PARADIGMS}, got {paradigm!r}")
+    if paradigm == "rl" and advantage is None:
+        raise ValueError(f"{where}: an RL algorithm needs an advantage estimator")
+    if paradigm != "rl" and advantage is not None:
+        raise ValueError(f"{where}: a {paradigm} algorithm has no advantage estimator, got {advantage!r}")
+    builtin = isinstance(advantage, str) and ":" not in advantage
+    if builtin and advantage not in (*SEQUENCE_ADVANTAGES, "gae"):
+        raise ValueError(
+            f"{where}: advantage {advantage!r} is not an estimator of {_ADVANTAGES_MODULE} "
+            f"({', '.join((*SEQUENCE_ADVANTAGES, 'gae'))}) nor a 'module:function' reference"
+        )
+    if (advantage == "gae") != needs_critic:
+        raise ValueError(f"{where}: GAE advantages and needs_critic go together (advantage={advantage!r})")
+    if group_based is None:
+        if advantage is not None and not builtin:
+            raise ValueError(f"{where}: say whether your advantage estimator compares a prompt's samples (group_based)")
+        group_based = advantage in GROUP_ADVANTAGES
     return Algorithm(
         name=name,
-        loss_fn=loss_fn,
-        advantage_fn=advantage_fn,
+        loss=loss,
+        advantage=advantage,
+        paradigm=paradigm,
         needs_reference=needs_reference,
         needs_critic=needs_critic,
         uses_entropy=uses_entropy,
-        hyperparameters={**defaults, **overrides},
-        paradigm=paradigm,
+        group_based=group_based,
+        overrides=overrides,
     )
+
+
+def _builtin(name: str, module: str, function: str, advantage: str | None, **traits: Any) -> Algorithm:
+    return algorithm(name, f"feynrl_jax.losses.{module}:{function}", advantage, **traits)
 
 
 # Dr. GRPO's constant normaliser: the maximum generation length; override it with the run's max_new_tokens.
@@ -109,37 +225,95 @@ _DEFAULT_MAX_TOKENS = 1024.0
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        _algorithm("sft", sft_loss, None, paradigm="sft"),
-        _algorithm("dpo", dpo_loss, None, paradigm="dpo", needs_reference=True),
-        _algorithm("ipo", ipo_loss, None, paradigm="dpo", needs_reference=True),
-        _algorithm(
-            "ppo", ppo_loss, advantages.gae, paradigm="rl", needs_critic=True, uses_entropy=True, entropy_coef=1e-3
-        ),
-        _algorithm("grpo", grpo_loss, advantages.group_zscore, paradigm="rl", needs_reference=True),
-        _algorithm(
+        _builtin("sft", "sft", "sft_loss", None, paradigm="sft"),
+        _builtin("dpo", "dpo", "dpo_loss", None, paradigm="dpo", needs_reference=True),
+        _builtin("ipo", "dpo", "ipo_loss", None, paradigm="dpo", needs_reference=True),
+        _builtin("ppo", "ppo", "ppo_loss", "gae", needs_critic=True, uses_entropy=True, entropy_coef=1e-3),
+        _builtin("grpo", "grpo", "grpo_loss", "group_zscore", needs_reference=True),
+        _builtin(
             "dr_grpo",
-            grpo_loss,
-            advantages.group_mean,
-            paradigm="rl",
+            "grpo",
+            "grpo_loss",
+            "group_mean",
             kl_coef=0.0,
             loss_agg="seq_mean_token_sum",
             max_tokens=_DEFAULT_MAX_TOKENS,
         ),
-        _algorithm(
-            "dapo",
-            grpo_loss,
-            advantages.group_zscore,
-            paradigm="rl",
-            clip_high=0.28,
-            kl_coef=0.0,
-            loss_agg="token_mean",
-        ),
-        _algorithm("rloo", grpo_loss, advantages.rloo, paradigm="rl", kl_coef=0.0, loss_agg="token_mean"),
-        _algorithm(
-            "reinforce_pp", grpo_loss, advantages.reinforce_pp, paradigm="rl", kl_coef=0.0, loss_agg="token_mean"
-        ),
-        _algorithm("cispo", cispo_loss, advantages.group_zscore, paradigm="rl"),
-        _algorithm("p3o", p3o_loss, advantages.group_zscore, paradigm="rl"),
-        _algorithm("gspo", gspo_loss, advantages.group_zscore, paradigm="rl"),
+        _builtin("dapo", "grpo", "grpo_loss", "group_zscore", clip_high=0.28, kl_coef=0.0, loss_agg="token_mean"),
+        _builtin("rloo", "grpo", "grpo_loss", "rloo", kl_coef=0.0, loss_agg="token_mean"),
+        _builtin("reinforce_pp", "grpo", "grpo_loss", "reinforce_pp", kl_coef=0.0, loss_agg="token_mean"),
+        _builtin("cispo", "cispo", "cispo_loss", "group_zscore"),
+        _builtin("p3o", "p3o", "p3o_loss", "group_zscore"),
+        _builtin("gspo", "gspo", "gspo_loss", "group_zscore"),
     )
 }
+"""Every algorithm this process knows: the built-in ones, then those registered or found by reference."""
+
+BUILTIN_ALGORITHMS = tuple(ALGORITHMS)
+"""The names of the algorithms that ship with the package."""
+
+PLAIN_LOSS_TRAITS = dict(advantage="group_zscore", paradigm="rl")
+"""The traits of a loss function that ``algo.name = "module:function"`` names without registering it: an RL loss
+trained on GRPO's group z-score advantages, with no reference model, critic or entropy."""
+
+
+def register_algorithm(
+    name: str,
+    loss: str | Callable[..., Any],
+    advantage: str | Callable[..., Any] | None = "group_zscore",
+    **traits: Any,
+) -> Algorithm:
+    """Registers an algorithm of your own under ``name`` in this process, and returns its record.
+
+    Arguments are those of :func:`algorithm`. Registering the same loss and traits again (a module imported
+    twice, a notebook cell run again) replaces the record.
+
+    Raises:
+        ValueError: ``name`` is a built-in algorithm, or a trait is inconsistent.
+    """
+    if name in BUILTIN_ALGORITHMS:
+        raise ValueError(f"{name!r} is a built-in algorithm; register yours under another name")
+    record = algorithm(name, loss, advantage, **traits)
+    ALGORITHMS[name] = record
+    return record
+
+
+def adopt(record: Algorithm) -> Algorithm:
+    """Registers a record made in another process (the RL loop's trainer actors), unless its name is known here.
+
+    Returns:
+        The record this process uses under ``record.name``.
+    """
+    return ALGORITHMS.setdefault(record.name, record)
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The algorithm ``algo.name`` names: a registered name, or a ``"module:function"`` reference.
+
+    A reference is imported, and the record it yields is registered under ``name`` (later calls return the same
+    record, so a jitted step compiled for it is reused).
+
+    Raises:
+        KeyError: ``name`` is neither registered nor a reference.
+        ValueError: the reference cannot be imported, or is not an :class:`Algorithm` or a loss function.
+    """
+    if name in ALGORITHMS:
+        return ALGORITHMS[name]
+    if ":" not in name:
+        raise KeyError(name)
+    target = load_reference(name)
+    if isinstance(target, Algorithm):
+        record = target
+    elif callable(target):
+        registered = [a for a in ALGORITHMS.values() if a.loss is target]
+        if len(registered) > 1:
+            raise ValueError(
+                f"{name!r} is registered as {sorted(a.name for a in registered)}; name one of those records instead"
+            )
+        if registered:
+            record = dataclasses.replace(registered[0], name=name)
+        else:
+            record = algorithm(name, target, **PLAIN_LOSS_TRAITS)
+    else:
+        raise ValueError(f"{name!r} is neither an Algorithm nor a loss function: {type(target).__name__}")
+    return ALGORITHMS.setdefault(name, record)

@@ -192,9 +192,17 @@ def test_config_and_cli_start_light(folder):
             in_folder(i, folder)
             and i.top_level
             and under(i.module, "feynrl_jax")
-            and not under(i.module, "feynrl_jax.config", "feynrl_jax.cli", "feynrl_jax.errors")
+            and not under(
+                i.module, "feynrl_jax.config", "feynrl_jax.cli", "feynrl_jax.errors", "feynrl_jax.losses.registry"
+            )
         )
     )
+
+
+def test_the_algorithm_registry_is_plain_data():
+    """The config layer validates `algo.name` against the registry, so it imports only the standard library (the
+    losses load when first used)."""
+    assert not violations(lambda i: i.file == ROOT / "losses" / "registry.py" and root(i.module) not in STDLIB)
 
 
 def test_parser_resolves_relative_and_lazy_imports(tmp_path):

@@ -1,6 +1,9 @@
 """Property tests (hypothesis) for the losses: reductions to REINFORCE, ESS, DPO at equal log-ratios, and exact
 micro-batch accumulation for every aggregation mode.
 
+The reduction to REINFORCE runs the public kit's ``ratio_one`` check (``feynrl_jax.testing.check_loss``); exact
+micro-batch accumulation of every registered loss is a check of the contract table (tests/test_losses_contract.py).
+
 Shapes are drawn from small pools and the functions under test are jitted, so each shape compiles once and
 the examples stay within the test-time budget; values, masks, segmentations and splits are drawn freely.
 """
@@ -21,12 +24,12 @@ from feynrl_jax.losses import (
     ALGORITHMS,
     TrainBatch,
     aggregate,
-    combine_metrics,
     compute_metrics,
     dpo_loss,
     ipo_loss,
     off_policy,
 )
+from feynrl_jax.testing import check_loss
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
@@ -83,24 +86,9 @@ def make_batch(arrays, rows=slice(None), **overrides) -> TrainBatch:
     )
 
 
-# --- At ratio 1 with no clipping active, the policy gradient is the REINFORCE gradient. ------------------------
+# --- At ratio 1 with no clipping active, the policy gradient is the REINFORCE gradient (the kit's `ratio_one`). ----
 
-
-def reinforce_gradient(arrays, mode: str, max_tokens: float | None) -> np.ndarray:
-    """d/dlogprobs of -agg(A * logprobs): an independent NumPy computation, per aggregation mode."""
-    mask, adv, seg = arrays["loss_mask"], arrays["advantages"], arrays["segment_ids"]
-    grad = np.zeros_like(mask, dtype=np.float64)
-    sequences = [(r, s) for r in range(mask.shape[0]) for s in np.unique(seg[r]) if s != 0]
-    sequences = [(r, s) for r, s in sequences if mask[r][seg[r] == s].sum() > 0]
-    if mode == "token_mean":
-        return -(mask * adv) / max(mask.sum(), 1.0)
-    for r, s in sequences:
-        where = seg[r] == s
-        scale = mask[r][where].sum() if mode == "seq_mean_token_mean" else max_tokens
-        grad[r, where] = -(mask[r, where] * adv[r, where]) / (scale * len(sequences))
-    return grad
-
-
+# Hyperparameters that leave only the policy term's gradient wrt logprobs (no KL to the reference).
 PG_CASES = {
     "ppo": dict(vf_coef=0.0, entropy_coef=0.0, dual_clip=3.0),
     "grpo": dict(kl_coef=0.0),
@@ -112,25 +100,17 @@ PG_CASES = {
 }
 
 
-@functools.cache
-def _grad_fn(name: str):
-    loss_fn = ALGORITHMS[name].make_loss(**PG_CASES[name])
-    return jax.jit(jax.grad(lambda logprobs, batch: loss_fn(logprobs, batch)[0].value))
-
-
-@SETTINGS
-@given(token_batches(), st.sampled_from(sorted(PG_CASES)))
-def test_policy_gradient_at_ratio_one_is_reinforce(arrays, name):
-    # Sequence-level advantages (constant per sequence), as group estimators produce; ratio 1 everywhere.
-    adv = arrays["advantages"].copy()
-    for r in range(adv.shape[0]):
-        for s in np.unique(arrays["segment_ids"][r]):
-            adv[r, arrays["segment_ids"][r] == s] = adv[r, arrays["segment_ids"][r] == s][0]
-    arrays = {**arrays, "advantages": adv, "old_logprobs": arrays["logprobs"]}
+@pytest.mark.parametrize("name", sorted(PG_CASES))
+def test_policy_gradient_at_ratio_one_is_reinforce(name):
     hp = ALGORITHMS[name].hyperparameters | PG_CASES[name]
-    grad = _grad_fn(name)(jnp.asarray(arrays["logprobs"]), make_batch(arrays))
-    expected = reinforce_gradient(arrays, hp["loss_agg"], hp["max_tokens"])
-    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-5, atol=1e-7)
+    report = check_loss(
+        ALGORITHMS[name].make_loss(**PG_CASES[name]),
+        ratio_one=hp["loss_agg"],
+        max_tokens=hp["max_tokens"],
+        checks=["ratio_one"],
+        max_examples=5,
+    )
+    assert "ratio_one" in report.passed
 
 
 # --- P3O: identical policies have ESS = 1; otherwise ESS <= 1. ------------------------------------------------
@@ -235,65 +215,3 @@ def test_micro_batches_combine_exactly_for_every_aggregation_mode(arrays, mode, 
     # Denominators do not depend on the parameters, so the gradient is sum(grad total_k) / sum(denom_k).
     grad = np.concatenate([np.asarray(g) for _, g in parts]) / max(denom, 1.0)
     np.testing.assert_allclose(grad, np.asarray(full_grad) / max(float(full.denom), 1.0), rtol=1e-5, atol=1e-7)
-
-
-# P3O is excluded: its ESS is computed over the batch given to the loss (see losses/p3o.py).
-SPLITTABLE = [name for name in ALGORITHMS if name != "p3o"]
-
-
-@pytest.mark.parametrize("name", SPLITTABLE)
-def test_every_loss_accumulates_exactly_over_micro_batches(name):
-    arrays = _seeded_batch(seed=3)
-    loss_fn = ALGORITHMS[name].make_loss()
-
-    @jax.jit
-    def loss_metrics_grad(logprobs, batch, entropy, values):
-        loss, metrics = loss_fn(logprobs, batch, entropy=entropy, values=values)
-        grad = jax.grad(lambda x: loss_fn(x, batch, entropy=entropy, values=values)[0].total)(logprobs)
-        return loss, metrics, grad
-
-    def run(rows):
-        batch = make_batch(arrays, rows)
-        loss, metrics, grad = loss_metrics_grad(
-            jnp.asarray(arrays["logprobs"][rows]),
-            batch,
-            jnp.asarray(arrays["entropy"][rows]),
-            jnp.asarray(arrays["critic"][rows]),
-        )
-        return loss, metrics, np.asarray(grad)
-
-    full_loss, full_metrics, full_grad = run(slice(None))
-    (loss_a, metrics_a, grad_a), (loss_b, metrics_b, grad_b) = run(slice(0, 2)), run(slice(2, None))
-    combined = loss_a + loss_b
-    np.testing.assert_allclose(float(combined.value), float(full_loss.value), rtol=1e-5)
-    assert float(combined.denom) == float(full_loss.denom)
-    split_grad = np.concatenate([grad_a, grad_b]) / float(combined.denom)
-    np.testing.assert_allclose(split_grad, full_grad / float(full_loss.denom), rtol=1e-5, atol=1e-7)
-    expected = compute_metrics(full_metrics)
-    for key, value in compute_metrics(combine_metrics(metrics_a, metrics_b)).items():
-        np.testing.assert_allclose(float(value), float(expected[key]), rtol=1e-5, atol=1e-6, err_msg=key)
-
-
-def _seeded_batch(seed: int):
-    """A fixed packed batch of 6 rows (DPO reads its sequences as interleaved pairs, so keep them even)."""
-    rng = np.random.default_rng(seed)
-    b, t = 6, 8
-    segment_ids = np.ones((b, t), np.int32)
-    segment_ids[:, 4:] = 2  # two sequences per row
-    segment_ids[5, 6:] = 0  # some right padding
-    mask = (rng.random((b, t)) > 0.3).astype(np.float32)
-    mask[:, [0, 4]] = 0.0
-    mask *= segment_ids > 0
-    logprobs = -rng.uniform(0.05, 3.0, (b, t)).astype(np.float32)
-    return {
-        "segment_ids": segment_ids,
-        "loss_mask": mask,
-        "logprobs": logprobs,
-        "advantages": rng.normal(size=(b, t)).astype(np.float32),
-        "old_logprobs": (logprobs + 0.3 * rng.normal(size=(b, t))).astype(np.float32),
-        "ref_logprobs": (logprobs + 0.3 * rng.normal(size=(b, t))).astype(np.float32),
-        "values": rng.normal(size=(b, t)).astype(np.float32),
-        "returns": rng.normal(size=(b, t)).astype(np.float32),
-        "critic": rng.normal(size=(b, t)).astype(np.float32),
-        "entropy": rng.uniform(0, 2, (b, t)).astype(np.float32),
-    }

@@ -160,7 +160,8 @@ def base_config() -> ConfigDict:
     config.rollout.vllm.engine_kwargs = ConfigDict()  # Other `vllm.LLM` arguments, e.g. gpu_memory_utilization.
 
     config.algo = ConfigDict()
-    config.algo.name = "grpo"  # A key of `feynrl_jax.losses.ALGORITHMS`.
+    # A registered algorithm (`feynrl_jax.losses.ALGORITHMS`) or your own loss: "package.module:function".
+    config.algo.name = "grpo"
     config.algo.kl_coef = placeholder(float)  # None: the algorithm's default.
     config.algo.clip_low = placeholder(float)  # None: the algorithm's default.
     config.algo.clip_high = placeholder(float)  # None: the algorithm's default.

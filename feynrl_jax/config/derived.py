@@ -70,14 +70,15 @@ def algorithm_hyperparameters(config: ConfigDict, accepted: Mapping[str, Any]) -
 
     Raises:
         ConfigError: naming `algo.hparams.<key>` (with the closest accepted name) for a hyperparameter the
-            algorithm does not take, or `algo.<key>` for a shared one set for an algorithm that ignores it.
+            algorithm does not take, or `algo.<key>` for a shared one set for an algorithm that ignores it
+            (`algo.kl_coef=0` excepted: a loss without a KL term does what it asks).
     """
     values = dict(accepted)
     problems = []
     name = config.algo.name
     for key in SHARED_HYPERPARAMETERS:
         value = config.algo[key]
-        if value is None:
+        if value is None or (key == "kl_coef" and value == 0 and key not in accepted):
             continue
         if key not in accepted:
             problems.append(Problem(f"algo.{key}", f"algo.{key}={value!r} is set but {name} takes no {key}."))

@@ -20,10 +20,14 @@ from collections.abc import Iterator, Mapping
 
 from ml_collections import ConfigDict
 
-from feynrl_jax.config.algorithms import ALGORITHM_TRAITS, PARADIGMS
 from feynrl_jax.config.base import SOURCE_KINDS, base_config, data_source
 from feynrl_jax.config.derived import effective_off_policy
 from feynrl_jax.config.errors import ConfigError, Problem, suggestion
+from feynrl_jax.losses.registry import ALGORITHMS, BUILTIN_ALGORITHMS, Algorithm, get_algorithm
+from feynrl_jax.losses.registry import PARADIGMS as ALGORITHM_PARADIGMS
+
+PARADIGMS = (*ALGORITHM_PARADIGMS, "eval")
+"""Values of the top-level `paradigm` key."""
 
 DTYPES = ("float32", "bfloat16")
 MASTER_DTYPES = ("", "float32")
@@ -487,15 +491,32 @@ def _check_vllm(config, bad):
             )
 
 
-def _check_algo(config, bad):
-    algo = config.algo
-    traits = ALGORITHM_TRAITS.get(algo.name)
-    if traits is None:
+def _find_algorithm(name: str, bad) -> Algorithm | None:
+    """The record `algo.name` names, or None after reporting why there is none.
+
+    A built-in or registered name is a table lookup. A "module:function" name imports that module (the user's
+    code, which may import JAX) and checks the loss's keywords.
+    """
+    try:
+        record = get_algorithm(name)
+        if name not in BUILTIN_ALGORITHMS:
+            record.hyperparameters  # noqa: B018 (reads the loss signature: keywords without defaults fail here)
+        return record
+    except KeyError:
         bad(
             "algo.name",
-            f"algo.name={algo.name!r} is not a registered algorithm{suggestion(algo.name, ALGORITHM_TRAITS)}.",
+            f"algo.name={name!r} is not a registered algorithm{suggestion(name, ALGORITHMS)}; name one of "
+            f"{', '.join(ALGORITHMS)}, or your own loss as 'package.module:function'.",
         )
-    elif config.paradigm in ("sft", "dpo", "rl") and traits.paradigm != config.paradigm:
+    except ValueError as error:
+        bad("algo.name", f"algo.name={name!r}: {error}.")
+    return None
+
+
+def _check_algo(config, bad):
+    algo = config.algo
+    traits = _find_algorithm(algo.name, bad)
+    if traits is not None and config.paradigm in ("sft", "dpo", "rl") and traits.paradigm != config.paradigm:
         bad("algo.name", f"algo.name={algo.name!r} is a {traits.paradigm} algorithm but paradigm={config.paradigm!r}.")
     for key in ("kl_coef", "clip_low", "clip_high"):
         if algo[key] is not None and not algo[key] >= 0:

@@ -49,3 +49,5 @@ def use_tiny_model(config: ConfigDict) -> None:
     arch = config.model.arch
     arch.hidden_size, arch.intermediate_size, arch.num_layers = 64, 128, 2
     arch.num_heads, arch.num_kv_heads, arch.head_dim = 4, 2, 16
+    # Recomputing layers saves memory that a 2-layer model does not use, and costs compile and step time.
+    config.model.remat = "none"

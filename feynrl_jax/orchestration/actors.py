@@ -420,9 +420,15 @@ class TrainerActor:
         store: the `ParamStoreActor` handle.
         spec: the rollout engine's `EngineSpec` (the format params are published in).
         process_id: this actor's process id in a trainer of `ray.trainer_processes` > 1 processes, else None.
+        algorithm: the driver's record of `config.algo.name` (`feynrl_jax.losses.Algorithm`), registered in this
+            process unless the name is known here already; None looks the name up here.
     """
 
-    def __init__(self, config: Any, store: Any, spec: EngineSpec, process_id: int | None = None):
+    def __init__(self, config: Any, store: Any, spec: EngineSpec, process_id: int | None = None, algorithm: Any = None):
+        if algorithm is not None:
+            from feynrl_jax.losses.registry import adopt
+
+            adopt(algorithm)
         self.config, self.store, self.spec = config, store, spec
         self.store_timeout_s = config.ray.stall_timeout_s
         self.process_id = process_id

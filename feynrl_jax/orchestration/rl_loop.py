@@ -49,6 +49,7 @@ from feynrl_jax.config.validation import validate
 from feynrl_jax.data.from_config import build_mixture_from_config
 from feynrl_jax.errors import RunFailed
 from feynrl_jax.eval.evaluate import load_eval_set
+from feynrl_jax.losses.registry import get_algorithm
 from feynrl_jax.orchestration.actors import (
     ParamsSnapshot,
     ParamStoreActor,
@@ -553,9 +554,15 @@ def start_trainers(config: ConfigDict, store: Any, spec: Any) -> list[Any]:
     coordinator runs in process 0 (its node's address, a free port there)."""
     options = trainer_options(config)
     processes = config.ray.trainer_processes
+    # The record travels with the actors: an algorithm registered in this process only (a loss defined in a
+    # notebook) trains too.
+    algorithm = get_algorithm(config.algo.name)
     if processes == 1:
-        return [TrainerActor.options(**options).remote(config, store, spec)]
-    trainers = [TrainerActor.options(**options).remote(config, store, spec, process_id=i) for i in range(processes)]
+        return [TrainerActor.options(**options).remote(config, store, spec, algorithm=algorithm)]
+    trainers = [
+        TrainerActor.options(**options).remote(config, store, spec, process_id=i, algorithm=algorithm)
+        for i in range(processes)
+    ]
     address = get_within(
         trainers[0].coordinator_address.remote(), name="trainer process 0", timeout_s=STARTUP_TIMEOUT_S
     )

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from feynrl_jax.errors import InputError
@@ -174,3 +175,23 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
             continue
         by_step[record["step"]] = record
     return [by_step[step] for step in sorted(by_step)]
+
+
+def metric_series(records: Sequence[Mapping[str, Any]], name: str) -> tuple[list[int], list[float]]:
+    """One metric of a run as a curve: the steps that logged it as a number, and its values there.
+
+    Args:
+        records: a run's records, as :func:`read_metrics` returns them (step order).
+        name: a metric name, e.g. ``"rollout/reward/total/mean"``.
+
+    Returns:
+        ``(steps, values)``, two lists of equal length in the records' order; a step where the metric is
+        missing or ``null`` (a non-finite value) is left out.
+    """
+    steps, values = [], []
+    for record in records:
+        value = record.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            steps.append(record["step"])
+            values.append(float(value))
+    return steps, values

@@ -1,11 +1,15 @@
-"""PNG curves of a run from its ``metrics.jsonl`` (matplotlib, Agg backend: no display needed)."""
+"""PNG curves of a run from its ``metrics.jsonl``.
+
+Figures are drawn with matplotlib's object-oriented API and saved through its Agg canvas: no display is needed,
+and the process's pyplot backend is left alone (a notebook that calls :func:`plot_run` keeps showing its plots).
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 
-from feynrl_jax.tracking.metrics_file import read_metrics
+from feynrl_jax.tracking.metrics_file import metric_series, read_metrics
 
 
 def _is_rate(name: str) -> bool:
@@ -35,10 +39,7 @@ def plot_run(run_dir: str) -> list[str]:
         The paths written (``run_dir/plots/<panel>.png``), in :data:`PANELS` order; a panel whose metrics never
         appear is left out.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     records = read_metrics(run_dir)
     names = sorted({k for r in records for k in r if k not in ("step", "time")})
@@ -47,17 +48,14 @@ def plot_run(run_dir: str) -> list[str]:
     paths = []
     for panel, selects in PANELS.items():
         chosen = [n for n in names if selects(n)]
-        series = {}
-        for name in chosen:
-            points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), int | float)]
-            if points:
-                series[name] = points
+        series = {name: metric_series(records, name) for name in chosen}
+        series = {name: curve for name, curve in series.items() if curve[0]}
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        for name, points in series.items():
-            steps, values = zip(*points)
-            ax.plot(steps, values, marker="." if len(points) < 50 else None, label=name)
+        fig = Figure(figsize=(7, 4), dpi=100)
+        ax = fig.subplots()
+        for name, (steps, values) in series.items():
+            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=name)
         ax.set_xlabel("step")
         ax.set_title(f"{panel} - {os.path.basename(os.path.normpath(run_dir))}")
         ax.grid(alpha=0.3)
@@ -65,6 +63,5 @@ def plot_run(run_dir: str) -> list[str]:
         fig.tight_layout()
         path = os.path.join(out_dir, f"{panel}.png")
         fig.savefig(path)
-        plt.close(fig)
         paths.append(path)
     return paths

@@ -253,9 +253,9 @@ def make_dpo_task(config: ConfigDict, context: RunContext) -> SupervisedTask:
 
 def _beta(config: ConfigDict) -> float:
     from feynrl_jax.config.derived import algorithm_hyperparameters
-    from feynrl_jax.losses import ALGORITHMS
+    from feynrl_jax.losses import get_algorithm
 
-    return float(algorithm_hyperparameters(config, ALGORITHMS[config.algo.name].hyperparameters)["beta"])
+    return float(algorithm_hyperparameters(config, get_algorithm(config.algo.name).hyperparameters)["beta"])
 
 
 def run(config: ConfigDict) -> dict[str, float]:

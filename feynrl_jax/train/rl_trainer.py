@@ -55,7 +55,8 @@ from feynrl_jax.config.derived import (
     checkpoint_every,
     effective_off_policy,
 )
-from feynrl_jax.losses import ALGORITHMS, Algorithm, TrainBatch, compute_metrics
+from feynrl_jax.config.errors import ConfigError, Problem
+from feynrl_jax.losses import Algorithm, TrainBatch, compute_metrics, get_algorithm
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig, as_param_dtype, lora, quant
@@ -88,10 +89,24 @@ def algorithm_values(config: ConfigDict) -> dict[str, Any]:
     Dr. GRPO's `seq_mean_token_sum` normaliser `max_tokens` becomes `rollout.max_new_tokens` unless set; the
     off-policy keywords `tis_cap` and `decoupled` come from `algo.off_policy` and `algo.tis_cap`.
     """
-    values = algorithm_hyperparameters(config, ALGORITHMS[config.algo.name].hyperparameters)
+    values = algorithm_hyperparameters(config, get_algorithm(config.algo.name).hyperparameters)
     if values.get("loss_agg") == "seq_mean_token_sum" and "max_tokens" not in config.algo.hparams:
         values["max_tokens"] = float(config.rollout.max_new_tokens)
     mode, cap = effective_off_policy(config), float(config.algo.tis_cap)
+    if not {"decoupled", "tis_cap"} <= values.keys():
+        # A loss of your own that takes no off-policy keywords trains on-policy samples only.
+        if mode != "none":
+            raise ConfigError(
+                [
+                    Problem(
+                        "algo.off_policy",
+                        f"the off-policy correction is {mode!r} (algo.off_policy, or its default for this run) but "
+                        f"the loss of {config.algo.name} takes no `decoupled` and `tis_cap` keywords; give it them "
+                        "(see losses/grpo.py) or set algo.off_policy='none'.",
+                    )
+                ]
+            )
+        return values
     values["decoupled"] = mode == "decoupled"
     values["tis_cap"] = cap if mode != "none" and cap > 0 else None
     return values
@@ -101,7 +116,7 @@ def loss_hyperparameters(config: ConfigDict) -> dict[str, Any]:
     """The actor loss's keyword arguments: `algorithm_values`, with `vf_coef = 0` for a critic-based loss (the
     critic is trained by its own step, `RLSettings.value_clip` and `vf_coef`)."""
     values = algorithm_values(config)
-    if ALGORITHMS[config.algo.name].needs_critic:
+    if get_algorithm(config.algo.name).needs_critic:
         values["vf_coef"] = 0.0
     return values
 
@@ -114,7 +129,7 @@ def uses_reference(config: ConfigDict) -> bool:
     (then `train/kl_ref` is reported even without a penalty).
     """
     kl_coef = float(loss_hyperparameters(config).get("kl_coef", 0.0) or 0.0)
-    registered = ALGORITHMS[config.algo.name].needs_reference and config.algo.reference != "none"
+    registered = get_algorithm(config.algo.name).needs_reference and config.algo.reference != "none"
     return kl_coef > 0.0 or registered
 
 
@@ -181,7 +196,7 @@ def rl_settings(config: ConfigDict) -> RLSettings:
     """Unpacks a validated RL config into `RLSettings` (the one place the trainer reads `config.train`,
     `config.algo` and `config.rollout`)."""
     train, rollout, algo = config.train, config.rollout, config.algo
-    algorithm = ALGORITHMS[algo.name]
+    algorithm = get_algorithm(algo.name)
     everything = algorithm_values(config)
     recompute = train.recompute_old_logprobs
     return RLSettings(

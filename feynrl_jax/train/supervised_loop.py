@@ -36,7 +36,7 @@ from feynrl_jax.checkpoints.train_state import RunProgress, TrainCheckpointer
 from feynrl_jax.config.derived import algorithm_hyperparameters, batch_plan, checkpoint_every
 from feynrl_jax.config.validation import validate
 from feynrl_jax.data.packing import TokenBatch
-from feynrl_jax.losses import ALGORITHMS, TrainBatch
+from feynrl_jax.losses import TrainBatch, get_algorithm
 from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig
 from feynrl_jax.tracking import Tracker
@@ -136,7 +136,7 @@ def run_supervised(
     model_config = run_setup.model_config(config.model, source, tokenizer)
     mesh, rules = run_setup.build_mesh(config.mesh)
     run_setup.log_compute(model_config)
-    algorithm = ALGORITHMS[config.algo.name]
+    algorithm = get_algorithm(config.algo.name)
     plan = batch_plan(config)
     total_steps = config.train.steps
     optimizer, schedule = run_setup.build_optimizer(config.optim, total_steps)
