@@ -44,9 +44,12 @@ test: lint
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-notebooks
 
-# The research notebooks, each executed top to bottom in a fresh kernel (nbmake); they are stored without outputs.
+# The research notebooks, each executed top to bottom in a fresh kernel (nbmake) within 4 minutes (pytest-timeout;
+# nbmake's own timeout is per cell); they are stored without outputs. They run in a pytest of their own: a session
+# that loads tests/conftest.py fakes 8 CPU devices, and the kernels would inherit that (SmolLM2's training state
+# replicated 8 times in one process).
 test-notebooks: setup
-	$(BIN)/python -m pytest -q --nbmake --nbmake-timeout=300 notebooks
+	$(BIN)/python -m pytest -q --nbmake --nbmake-timeout=240 --timeout=240 notebooks
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

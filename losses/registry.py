@@ -12,8 +12,8 @@ Algorithms from outside the package, found by :func:`get_algorithm`:
 * ``algo.name = "my_pkg.my_losses:my_loss"`` imports ``my_pkg.my_losses`` and reads ``my_loss``: an
   :class:`Algorithm` (what :func:`register_algorithm` returns) is used as it is; a loss function that the module
   registered (once) gets its registered traits; any other loss function is an RL loss with GRPO's estimator and no
-  reference or critic (:data:`PLAIN_LOSS_TRAITS`). The module must be importable where the loss runs: installed,
-  or in the working directory (Ray's local workers start there).
+  critic (see `_plain_loss`). The module must be importable where the loss runs: installed, or in the working
+  directory (the `feynrl-jax` command puts it on the import path; Ray's local workers start there).
 * ``register_algorithm("my_loss", my_loss, advantage="rloo")`` registers a short name in this process. The RL
   loop hands the record to its trainer actors, so a loss defined in a notebook cell trains too.
 
@@ -60,6 +60,10 @@ def load_reference(reference: str) -> Any:
         raise ValueError(
             f"{reference!r}: cannot import module {module_name!r} ({error}); it must be installed or in the "
             "working directory"
+        ) from error
+    except Exception as error:  # The user's module failed while importing: name it rather than crash.
+        raise ValueError(
+            f"{reference!r}: importing module {module_name!r} raised {type(error).__name__}: {error}"
         ) from error
     for part in attribute.split("."):
         if not hasattr(found, part):
@@ -247,14 +251,14 @@ ALGORITHMS: dict[str, Algorithm] = {
         _builtin("gspo", "gspo", "gspo_loss", "group_zscore"),
     )
 }
-"""Every algorithm this process knows: the built-in ones, then those registered or found by reference."""
+"""The built-in algorithms, then those registered in this process (`register_algorithm`)."""
 
 BUILTIN_ALGORITHMS = tuple(ALGORITHMS)
 """The names of the algorithms that ship with the package."""
 
-PLAIN_LOSS_TRAITS = dict(advantage="group_zscore", paradigm="rl")
-"""The traits of a loss function that ``algo.name = "module:function"`` names without registering it: an RL loss
-trained on GRPO's group z-score advantages, with no reference model, critic or entropy."""
+_REFERENCES: dict[str, Algorithm] = {}
+"""Records found through "module:function" names, by that name. A reference is not a registration, so they are kept
+apart from `ALGORITHMS` (registering a name clears them: they may point at the record it replaces)."""
 
 
 def register_algorithm(
@@ -265,55 +269,104 @@ def register_algorithm(
 ) -> Algorithm:
     """Registers an algorithm of your own under ``name`` in this process, and returns its record.
 
-    Arguments are those of :func:`algorithm`. Registering the same loss and traits again (a module imported
-    twice, a notebook cell run again) replaces the record.
+    Arguments are those of :func:`algorithm`. Registering a name again (a module imported twice, a notebook cell
+    run again) replaces its record.
 
     Raises:
-        ValueError: ``name`` is a built-in algorithm, or a trait is inconsistent.
+        ValueError: ``name`` is a built-in algorithm or holds a ":", or a trait is inconsistent.
     """
     if name in BUILTIN_ALGORITHMS:
         raise ValueError(f"{name!r} is a built-in algorithm; register yours under another name")
+    if ":" in name:
+        raise ValueError(f"{name!r}: a registered name has no ':' (that form names a module's attribute)")
     record = algorithm(name, loss, advantage, **traits)
     ALGORITHMS[name] = record
+    _REFERENCES.clear()
     return record
 
 
-def adopt(record: Algorithm) -> Algorithm:
-    """Registers a record made in another process (the RL loop's trainer actors), unless its name is known here.
+def adopt(name: str, record: Algorithm) -> Algorithm:
+    """Records ``record`` under ``name`` (a config's ``algo.name``) unless this process knows that name already.
+
+    The RL loop's trainer actors receive the driver's record this way, so an algorithm registered only in the
+    driver (a loss defined in a notebook) trains there too.
 
     Returns:
-        The record this process uses under ``record.name``.
+        The record this process uses for ``name``.
     """
-    return ALGORITHMS.setdefault(record.name, record)
+    return (_REFERENCES if ":" in name else ALGORITHMS).setdefault(name, record)
+
+
+def _plain_loss(name: str, loss: Callable[..., Any]) -> Algorithm:
+    """The record of a loss function named by reference and registered nowhere: an RL loss on GRPO's group z-score
+    advantages and no critic; it runs the reference model when its ``kl_coef`` defaults above 0 and gets the
+    entropy when it takes ``entropy_coef``."""
+    hyperparameters = algorithm(name, loss).hyperparameters
+    return algorithm(
+        name,
+        loss,
+        "group_zscore",
+        needs_reference=float(hyperparameters.get("kl_coef") or 0.0) > 0,
+        uses_entropy="entropy_coef" in hyperparameters,
+    )
+
+
+def check_traits(record: Algorithm) -> None:
+    """Checks a record against its loss's keyword defaults, the rules every built-in algorithm follows.
+
+    Raises:
+        ValueError: the loss defaults ``kl_coef`` above 0 but the record runs no reference model, takes
+            ``entropy_coef`` but is not given the entropy, or defaults ``vf_coef`` above 0 without a critic; or a
+            keyword has no default.
+    """
+    hyperparameters = record.hyperparameters
+    where = f"algorithm {record.name!r}"
+    if record.paradigm == "rl" and float(hyperparameters.get("kl_coef") or 0.0) > 0 and not record.needs_reference:
+        raise ValueError(
+            f"{where}: its loss defaults kl_coef to {hyperparameters['kl_coef']} but the record has "
+            "needs_reference=False; register it with needs_reference=True or default kl_coef to 0"
+        )
+    if "entropy_coef" in hyperparameters and not record.uses_entropy:
+        raise ValueError(
+            f"{where}: its loss takes entropy_coef but the record has uses_entropy=False, so the entropy would "
+            "never reach it; register it with uses_entropy=True"
+        )
+    if float(hyperparameters.get("vf_coef") or 0.0) > 0 and not record.needs_critic:
+        raise ValueError(
+            f"{where}: its loss defaults vf_coef to {hyperparameters['vf_coef']} but the record has no critic; "
+            'register it with advantage="gae", needs_critic=True'
+        )
 
 
 def get_algorithm(name: str) -> Algorithm:
     """The algorithm ``algo.name`` names: a registered name, or a ``"module:function"`` reference.
 
-    A reference is imported, and the record it yields is registered under ``name`` (later calls return the same
-    record, so a jitted step compiled for it is reused).
+    A reference is imported once; later calls return the same record, so a jitted step compiled for it is reused.
+    It may name an :class:`Algorithm`, a loss function registered (once) in this process, under its registered
+    traits, or any other loss function (:func:`_plain_loss`).
 
     Raises:
         KeyError: ``name`` is neither registered nor a reference.
-        ValueError: the reference cannot be imported, or is not an :class:`Algorithm` or a loss function.
+        ValueError: the reference cannot be imported, is ambiguous, or is not an :class:`Algorithm` or a function.
     """
     if name in ALGORITHMS:
         return ALGORITHMS[name]
+    if name in _REFERENCES:
+        return _REFERENCES[name]
     if ":" not in name:
         raise KeyError(name)
     target = load_reference(name)
     if isinstance(target, Algorithm):
         record = target
     elif callable(target):
-        registered = [a for a in ALGORITHMS.values() if a.loss is target]
+        registered = [
+            a for key, a in ALGORITHMS.items() if key not in BUILTIN_ALGORITHMS and (a.loss is target or a.loss == name)
+        ]
         if len(registered) > 1:
             raise ValueError(
                 f"{name!r} is registered as {sorted(a.name for a in registered)}; name one of those records instead"
             )
-        if registered:
-            record = dataclasses.replace(registered[0], name=name)
-        else:
-            record = algorithm(name, target, **PLAIN_LOSS_TRAITS)
+        record = dataclasses.replace(registered[0], name=name) if registered else _plain_loss(name, target)
     else:
         raise ValueError(f"{name!r} is neither an Algorithm nor a loss function: {type(target).__name__}")
-    return ALGORITHMS.setdefault(name, record)
+    return _REFERENCES.setdefault(name, record)

@@ -44,3 +44,15 @@ def ray_session(tmp_path_factory):
     assert start_ray(tiny_rl.get_config().ray)
     yield
     stop_ray()
+
+
+@pytest.fixture
+def algorithm_registry():
+    """The algorithm registry, restored after the test (registrations and "module:function" references)."""
+    from feynrl_jax.losses import registry
+
+    before = dict(registry.ALGORITHMS)
+    yield registry
+    registry.ALGORITHMS.clear()
+    registry.ALGORITHMS.update(before)
+    registry._REFERENCES.clear()

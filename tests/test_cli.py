@@ -50,6 +50,30 @@ def test_bad_overrides_exit_with_one_sentence(args, expected):
     assert expected in result.stderr
 
 
+def test_a_loss_in_the_working_directory_is_found_by_module_function(tmp_path):
+    """`--config.algo.name=my_losses:fn` imports `my_losses.py` from where the command runs (a console script's
+    own import path is its bin/ folder). Stopping at another bad key shows that the name itself resolved."""
+    (tmp_path / "my_losses.py").write_text(
+        "from feynrl_jax.losses import aggregate\n\n\n"
+        "def reinforce(logprobs, batch, *, entropy=None, values=None):\n"
+        "    per_token = -batch.advantages * logprobs\n"
+        "    return aggregate(per_token, batch.loss_mask, batch.segment_ids, mode='token_mean'), {}\n"
+    )
+    script = shutil.which("feynrl-jax") or str(pathlib.Path(sys.executable).parent / "feynrl-jax")
+    config = f"--config={ROOT / 'configs' / 'grpo_demo.py'}"
+
+    def train(*args):
+        command = [script, "train", config, *args]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    result = train("--config.algo.name=my_losses:reinforce", "--config.optim.lr=-1")
+    assert result.returncode == cli.EXIT_USAGE
+    assert "optim.lr" in result.stderr and "algo.name" not in result.stderr, result.stderr
+    result = train("--config.algo.name=my_losses:reinforc")
+    assert result.returncode == cli.EXIT_USAGE
+    assert "algo.name='my_losses:reinforc'" in result.stderr and "has no attribute 'reinforc'" in result.stderr
+
+
 def test_bad_command_lines():
     cases = [
         (("train",), "needs --config"),

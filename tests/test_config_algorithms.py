@@ -57,19 +57,25 @@ USER_MODULE = textwrap.dedent(
 
 
     NOT_A_LOSS = 3
+
+
+    def with_kl(logprobs, batch, *, kl_coef=0.05):
+        return aggregate(-batch.advantages * logprobs, batch.loss_mask, batch.segment_ids, mode="token_mean"), {}
+
+
+    def with_entropy(logprobs, batch, *, entropy=None, entropy_coef=0.01):
+        per_token = -batch.advantages * logprobs - entropy_coef * entropy
+        return aggregate(per_token, batch.loss_mask, batch.segment_ids, mode="token_mean"), {}
     '''
 )
 
 
 @pytest.fixture
-def user_module(tmp_path, monkeypatch):
+def user_module(tmp_path, monkeypatch, algorithm_registry):
     """`user_losses` importable from a folder on sys.path; the registry is restored afterwards."""
     (tmp_path / "user_losses.py").write_text(USER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    before = dict(registry.ALGORITHMS)
     yield "user_losses"
-    registry.ALGORITHMS.clear()
-    registry.ALGORITHMS.update(before)
     sys.modules.pop("user_losses", None)
 
 
@@ -143,16 +149,57 @@ def test_a_name_may_point_at_a_registered_record_or_loss(user_module):
     loo = losses.get_algorithm(f"{user_module}:LOO")
     assert loo is sys.modules[user_module].LOO and loo.name == "user_loo"
     assert loo.advantage_fn is losses.advantages.rloo and loo.group_based
-    # The function of a registered record keeps that record's traits under the reference's name.
-    by_function = losses.get_algorithm(f"{user_module}:registered")
-    assert by_function.advantage == "group_mean" and by_function.name == f"{user_module}:registered"
+    # The function of a registered record keeps that record's traits, under any name that reaches it.
+    for reference in (f"{user_module}:registered", f"{user_module}:registered_alias"):
+        record = losses.get_algorithm(reference)
+        assert record.advantage == "group_mean" and record.name == reference
+    assert f"{user_module}:registered" not in registry.ALGORITHMS  # A reference is not a registration.
     # The short name works in the process that registered it.
     validate(tiny_rl("user_registered"))
-    # A function registered twice is ambiguous.
+    # A function registered twice is ambiguous (registering clears the references resolved so far).
     registry.register_algorithm("user_registered_again", sys.modules[user_module].registered, "rloo")
     with pytest.raises(ConfigError, match="name one of those records") as error:
         validate(tiny_rl(f"{user_module}:registered_alias"))
     assert error.value.keys == ("algo.name",)
+
+
+def test_a_loss_registered_by_reference_keeps_its_traits(user_module):
+    registry.register_algorithm("by_reference", f"{user_module}:reinforce", "rloo")
+    record = losses.get_algorithm(f"{user_module}:reinforce")
+    assert record.advantage == "rloo" and record.loss_fn is importlib.import_module(user_module).reinforce
+
+
+def test_a_plain_loss_gets_the_reference_and_entropy_its_keywords_ask_for(user_module):
+    with_kl = losses.get_algorithm(f"{user_module}:with_kl")
+    assert with_kl.needs_reference and not with_kl.uses_entropy
+    with_entropy = losses.get_algorithm(f"{user_module}:with_entropy")
+    assert with_entropy.uses_entropy and not with_entropy.needs_reference
+    config = tiny_rl(f"{user_module}:with_kl")  # algo.reference="none": the default KL needs a reference.
+    with pytest.raises(ConfigError, match="uses a reference model") as error:
+        validate(config)
+    assert error.value.keys == ("algo.reference",)
+
+
+def test_a_record_that_contradicts_its_loss_is_refused(user_module):
+    module = importlib.import_module(user_module)
+    registry.register_algorithm("kl_without_reference", module.with_kl)
+    registry.register_algorithm("entropy_never_given", module.with_entropy)
+    for name, message in (("kl_without_reference", "needs_reference=False"), ("entropy_never_given", "uses_entropy")):
+        with pytest.raises(ConfigError, match=message) as error:
+            validate(tiny_rl(name))
+        assert error.value.keys == ("algo.name",)
+
+
+@pytest.mark.parametrize(
+    ("body", "raised"), [("def broken(:\n", "SyntaxError"), ("raise RuntimeError('no GPU')\n", "RuntimeError")]
+)
+def test_a_module_that_fails_to_import_is_a_config_error(tmp_path, monkeypatch, algorithm_registry, body, raised):
+    (tmp_path / "broken_losses.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=f"raised {raised}") as error:
+        validate(tiny_rl("broken_losses:loss"))
+    assert error.value.keys == ("algo.name",)
+    sys.modules.pop("broken_losses", None)
 
 
 def test_the_traits_reach_validation(user_module):
@@ -210,29 +257,33 @@ def test_shared_keys_a_users_loss_lacks(user_module):
 def test_an_unknown_hyperparameter_of_a_users_loss_names_its_key(user_module):
     config = tiny_rl(f"{user_module}:reinforce")
     config.algo.hparams = {"scael": 2.0}
-    algorithm = losses.get_algorithm(config.algo.name)
     with pytest.raises(ConfigError, match="did you mean scale") as error:
-        algorithm_hyperparameters(config, algorithm.hyperparameters)
+        validate(config)  # At validation, before Ray or a trainer starts.
     assert error.value.keys == ("algo.hparams.scael",)
 
 
-def test_a_loss_without_off_policy_keywords_refuses_an_async_run(user_module):
+def test_a_loss_without_off_policy_keywords_refuses_an_off_policy_run(user_module):
     from feynrl_jax.train.rl_trainer import algorithm_values
 
     config = tiny_rl(f"{user_module}:reinforce")
     validate(config)
     assert "decoupled" not in algorithm_values(config)  # Sync: nothing to correct.
     config.train.max_staleness = 1
-    validate(config)
     with pytest.raises(ConfigError, match="takes no `decoupled` and `tis_cap`") as error:
-        algorithm_values(config)
+        validate(config)
     assert error.value.keys == ("algo.off_policy",)
+    with pytest.raises(ConfigError, match="takes no `decoupled` and `tis_cap`"):
+        algorithm_values(config)  # The trainer holds to it too.
+    config.algo.off_policy = "none"
+    validate(config)
 
 
 def test_register_algorithm_checks_its_traits():
     reinforce = losses.grpo_loss
     with pytest.raises(ValueError, match="built-in"):
         registry.register_algorithm("grpo", reinforce)
+    with pytest.raises(ValueError, match="has no ':'"):
+        registry.register_algorithm("pkg:loss", reinforce)
     with pytest.raises(ValueError, match="paradigm must be one of"):
         registry.algorithm("x", reinforce, paradigm="ppo")
     with pytest.raises(ValueError, match="needs an advantage estimator"):

@@ -17,7 +17,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
 
 def test_there_are_notebooks():
-    assert {p.name for p in NOTEBOOKS} >= {"inspect_rollout.ipynb", "compare_runs.ipynb"}
+    assert {p.name for p in NOTEBOOKS} >= {"new_loss.ipynb", "inspect_rollout.ipynb", "compare_runs.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -12,7 +12,6 @@ import textwrap
 import numpy as np
 import pytest
 
-from feynrl_jax.losses import registry
 from feynrl_jax.tracking import read_metrics
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
@@ -46,7 +45,7 @@ MODULE = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_rl_run_with_a_module_function_loss(tmp_path, monkeypatch):
+def test_rl_run_with_a_module_function_loss(tmp_path, monkeypatch, algorithm_registry):
     from feynrl_jax.orchestration import rl_loop
 
     work = tmp_path / "work"
@@ -54,7 +53,6 @@ def test_rl_run_with_a_module_function_loss(tmp_path, monkeypatch):
     (work / "my_losses.py").write_text(MODULE)
     monkeypatch.chdir(work)
     monkeypatch.syspath_prepend(str(work))
-    before = dict(registry.ALGORITHMS)
     try:
         config = tiny_rl.get_config()
         config.run_dir = str(tmp_path / "run")
@@ -66,8 +64,6 @@ def test_rl_run_with_a_module_function_loss(tmp_path, monkeypatch):
         config.checkpoint.every_steps = 0
         rl_loop.run(config)
     finally:
-        registry.ALGORITHMS.clear()
-        registry.ALGORITHMS.update(before)
         sys.modules.pop("my_losses", None)
     records = read_metrics(config.run_dir)
     assert [r["step"] for r in records] == [1, 2]

@@ -110,6 +110,22 @@ def no_logprob_gradient(logprobs, batch, **kwargs):
     return reinforce(jax.lax.stop_gradient(logprobs), batch, **kwargs)
 
 
+def metric_outside_the_namespace(logprobs, batch, **kwargs):
+    loss, metrics = reinforce(logprobs, batch, **kwargs)
+    return loss, {"policy": metrics["loss/policy"]}
+
+
+def gradient_on_masked_tokens(logprobs, batch, **kwargs):
+    loss, metrics = reinforce(logprobs, batch, **kwargs)
+    return LossSum(loss.total + 1e-3 * jnp.sum(logprobs), loss.denom), metrics
+
+
+def scaled_by_the_row_width(logprobs, batch, **kwargs):
+    # Normalising by the padded width T: right-padding changes the loss.
+    loss, metrics = reinforce(logprobs, batch, **kwargs)
+    return LossSum(loss.total * logprobs.shape[1], loss.denom), metrics
+
+
 @pytest.mark.parametrize(
     "loss_fn, check, field",
     [
@@ -122,6 +138,9 @@ def no_logprob_gradient(logprobs, batch, **kwargs):
         (nonzero_at_zero_mask, "zero_mask", "loss denom"),
         (returns_stale_values, "eager", "(eager vs jit)"),
         (no_logprob_gradient, "depends_on_logprobs", None),
+        (metric_outside_the_namespace, "metrics", None),
+        (gradient_on_masked_tokens, "masked_gradient", None),
+        (scaled_by_the_row_width, "padding", None),
     ],
     ids=lambda v: getattr(v, "__name__", None) if callable(v) else None,
 )

@@ -367,6 +367,10 @@ def run() -> None:
     from feynrl_jax.host_memory import reexec_with_huge_pages  # stdlib only; the CLI's top level stays light
 
     reexec_with_huge_pages()
+    # A console script imports from its own bin/ folder; "module:function" references to your code (`algo.name`,
+    # `rollout.rewards`) are found in the working directory, as with `python -m`. Ray's local workers start there.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     from feynrl_jax.cli import supervisor, xla_flags
 
     xla_flags.set_cpu_collective_flags(os.environ)  # before JAX starts (in this process or the child)

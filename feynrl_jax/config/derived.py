@@ -62,7 +62,7 @@ def algorithm_hyperparameters(config: ConfigDict, accepted: Mapping[str, Any]) -
     Args:
         config: the run's config.
         accepted: the algorithm's hyperparameters and their defaults, i.e.
-            `feynrl_jax.losses.ALGORITHMS[config.algo.name].hyperparameters`.
+            `feynrl_jax.losses.get_algorithm(config.algo.name).hyperparameters`.
 
     Returns:
         `accepted` updated with every shared key of `config.algo` that is set (not None) and every entry of
@@ -96,6 +96,24 @@ def algorithm_hyperparameters(config: ConfigDict, accepted: Mapping[str, Any]) -
     if problems:
         raise ConfigError(problems)
     return values
+
+
+def off_policy_problem(config: ConfigDict, accepted: Mapping[str, Any]) -> Problem | None:
+    """Why an RL run cannot correct its off-policy gap with this loss, or None.
+
+    The correction (`effective_off_policy`: async runs, and sync vLLM runs that recompute pi_old) happens inside
+    the loss, through its `decoupled` and `tis_cap` keywords; a loss of your own without them trains on-policy
+    samples only.
+    """
+    mode = effective_off_policy(config)
+    if mode == "none" or {"decoupled", "tis_cap"} <= set(accepted):
+        return None
+    return Problem(
+        "algo.off_policy",
+        f"the off-policy correction is {mode!r} (algo.off_policy, or its default for this run) but the loss of "
+        f"{config.algo.name} takes no `decoupled` and `tis_cap` keywords; give it them (see losses/grpo.py) or set "
+        "algo.off_policy='none'.",
+    )
 
 
 def effective_off_policy(config: ConfigDict) -> str:

@@ -21,9 +21,9 @@ from collections.abc import Iterator, Mapping
 from ml_collections import ConfigDict
 
 from feynrl_jax.config.base import SOURCE_KINDS, base_config, data_source
-from feynrl_jax.config.derived import effective_off_policy
+from feynrl_jax.config.derived import algorithm_hyperparameters, effective_off_policy, off_policy_problem
 from feynrl_jax.config.errors import ConfigError, Problem, suggestion
-from feynrl_jax.losses.registry import ALGORITHMS, BUILTIN_ALGORITHMS, Algorithm, get_algorithm
+from feynrl_jax.losses.registry import ALGORITHMS, BUILTIN_ALGORITHMS, Algorithm, check_traits, get_algorithm
 from feynrl_jax.losses.registry import PARADIGMS as ALGORITHM_PARADIGMS
 
 PARADIGMS = (*ALGORITHM_PARADIGMS, "eval")
@@ -495,22 +495,38 @@ def _find_algorithm(name: str, bad) -> Algorithm | None:
     """The record `algo.name` names, or None after reporting why there is none.
 
     A built-in or registered name is a table lookup. A "module:function" name imports that module (the user's
-    code, which may import JAX) and checks the loss's keywords.
+    code, which may import JAX); a record of your own is held to the rules of the built-in ones (`check_traits`).
     """
-    try:
-        record = get_algorithm(name)
-        if name not in BUILTIN_ALGORITHMS:
-            record.hyperparameters  # noqa: B018 (reads the loss signature: keywords without defaults fail here)
-        return record
-    except KeyError:
+    if ":" not in name and name not in ALGORITHMS:
         bad(
             "algo.name",
             f"algo.name={name!r} is not a registered algorithm{suggestion(name, ALGORITHMS)}; name one of "
             f"{', '.join(ALGORITHMS)}, or your own loss as 'package.module:function'.",
         )
+        return None
+    try:
+        record = get_algorithm(name)
+        if name not in BUILTIN_ALGORITHMS:
+            check_traits(record)
+        return record
     except ValueError as error:
         bad("algo.name", f"algo.name={name!r}: {error}.")
     return None
+
+
+def _check_own_algorithm(config, record: Algorithm, bad) -> None:
+    """A loss of your own: `config.algo`'s hyperparameters against its keywords, and the off-policy correction
+    against its `decoupled`/`tis_cap` keywords (the built-in losses take every shared key and both keywords)."""
+    try:
+        accepted = algorithm_hyperparameters(config, record.hyperparameters)
+    except ConfigError as error:
+        for problem in error.problems:
+            bad(problem.key, problem.message)
+        return
+    if config.paradigm == "rl":
+        problem = off_policy_problem(config, accepted)
+        if problem is not None:
+            bad(problem.key, problem.message)
 
 
 def _check_algo(config, bad):
@@ -518,6 +534,8 @@ def _check_algo(config, bad):
     traits = _find_algorithm(algo.name, bad)
     if traits is not None and config.paradigm in ("sft", "dpo", "rl") and traits.paradigm != config.paradigm:
         bad("algo.name", f"algo.name={algo.name!r} is a {traits.paradigm} algorithm but paradigm={config.paradigm!r}.")
+    elif traits is not None and algo.name not in BUILTIN_ALGORITHMS and config.paradigm != "eval":
+        _check_own_algorithm(config, traits, bad)
     for key in ("kl_coef", "clip_low", "clip_high"):
         if algo[key] is not None and not algo[key] >= 0:
             bad(f"algo.{key}", f"algo.{key}={algo[key]} is negative.")

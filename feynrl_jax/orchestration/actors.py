@@ -428,7 +428,7 @@ class TrainerActor:
         if algorithm is not None:
             from feynrl_jax.losses.registry import adopt
 
-            adopt(algorithm)
+            adopt(config.algo.name, algorithm)
         self.config, self.store, self.spec = config, store, spec
         self.store_timeout_s = config.ray.stall_timeout_s
         self.process_id = process_id

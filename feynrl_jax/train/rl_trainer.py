@@ -54,8 +54,9 @@ from feynrl_jax.config.derived import (
     batch_plan,
     checkpoint_every,
     effective_off_policy,
+    off_policy_problem,
 )
-from feynrl_jax.config.errors import ConfigError, Problem
+from feynrl_jax.config.errors import ConfigError
 from feynrl_jax.losses import Algorithm, TrainBatch, compute_metrics, get_algorithm
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
@@ -93,20 +94,11 @@ def algorithm_values(config: ConfigDict) -> dict[str, Any]:
     if values.get("loss_agg") == "seq_mean_token_sum" and "max_tokens" not in config.algo.hparams:
         values["max_tokens"] = float(config.rollout.max_new_tokens)
     mode, cap = effective_off_policy(config), float(config.algo.tis_cap)
+    problem = off_policy_problem(config, values)
+    if problem is not None:
+        raise ConfigError([problem])
     if not {"decoupled", "tis_cap"} <= values.keys():
-        # A loss of your own that takes no off-policy keywords trains on-policy samples only.
-        if mode != "none":
-            raise ConfigError(
-                [
-                    Problem(
-                        "algo.off_policy",
-                        f"the off-policy correction is {mode!r} (algo.off_policy, or its default for this run) but "
-                        f"the loss of {config.algo.name} takes no `decoupled` and `tis_cap` keywords; give it them "
-                        "(see losses/grpo.py) or set algo.off_policy='none'.",
-                    )
-                ]
-            )
-        return values
+        return values  # A loss of your own without off-policy keywords: on-policy samples only (checked above).
     values["decoupled"] = mode == "decoupled"
     values["tis_cap"] = cap if mode != "none" and cap > 0 else None
     return values
