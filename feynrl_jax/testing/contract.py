@@ -147,17 +147,10 @@ def reinforce_gradient(
     if mode == "token_mean":
         return -(mask * adv) / max(mask.sum(), 1.0)
     runs = []
-    for r in range(mask.shape[0]):
-        start = None
-        for t in range(mask.shape[1] + 1):
-            ended = (
-                t == mask.shape[1] or segment_ids[r, t] == 0 or (t > 0 and segment_ids[r, t] != segment_ids[r, t - 1])
-            )
-            if start is not None and ended:
-                runs.append((r, slice(start, t)))
-                start = None
-            if t < mask.shape[1] and segment_ids[r, t] != 0 and start is None:
-                start = t
+    for r, row in enumerate(segment_ids):
+        # Run boundaries: the row's ends and every change of segment id; a run of id 0 is padding.
+        bounds = np.flatnonzero(np.r_[True, row[1:] != row[:-1], True])
+        runs += [(r, slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:]) if row[a] != 0]
     runs = [(r, s) for r, s in runs if mask[r, s].sum() > 0]
     grad = np.zeros_like(mask)
     for r, s in runs:
@@ -283,6 +276,10 @@ class _Harness:
                 atol=SCALAR_ATOL,
             )
 
+    def same_gradients(self, check, out: _Outcome, base: _Outcome, label: str, example) -> None:
+        for name in INPUT_FIELDS:
+            self.close(check, f"gradient wrt {name}{label}", out.grads[name], base.grads[name], example, atol=GRAD_ATOL)
+
     def same_sequence_gradients(self, check, out, layout: LossInputs, base, base_layout: LossInputs, example):
         masks = layout.per_sequence(layout.batch.loss_mask)
         for name in INPUT_FIELDS:
@@ -311,10 +308,7 @@ class _Harness:
             other = example.unpacked(garbage=1)
             out = self.call(other, example)
             self.same_loss("masked_inputs", out, base, "other masked garbage", example)
-            for name in INPUT_FIELDS:
-                self.close(
-                    "masked_inputs", f"gradient wrt {name}", out.grads[name], base.grads[name], example, atol=GRAD_ATOL
-                )
+            self.same_gradients("masked_inputs", out, base, "", example)
 
         if "zero_mask" in selected:
             batch = dataclasses.replace(base_layout.batch, loss_mask=jnp.zeros_like(base_layout.batch.loss_mask))
@@ -340,15 +334,7 @@ class _Harness:
                     example,
                     atol=SCALAR_ATOL,
                 )
-            for name in INPUT_FIELDS:
-                self.close(
-                    "eager",
-                    f"gradient wrt {name} (eager vs jit)",
-                    out.grads[name],
-                    base.grads[name],
-                    example,
-                    atol=GRAD_ATOL,
-                )
+            self.same_gradients("eager", out, base, " (eager vs jit)", example)
 
         if "micro_batches" in selected:
             self.check_micro_batches(example, base, base_layout)

@@ -188,8 +188,8 @@ class LossExample:
         parts = []
         for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             rows = [[k] for k in range(hi - lo)]
-            part = _layout(self.sequences[lo:hi], rows, (hi - lo, self.max_length), self.seed + 303 + i, "")
-            parts.append(dataclasses.replace(part, name=f"micro-batch rows {lo}:{hi}"))
+            name = f"micro-batch rows {lo}:{hi}"
+            parts.append(_layout(self.sequences[lo:hi], rows, (hi - lo, self.max_length), self.seed + 303 + i, name))
         return parts
 
     def ratio_one(self) -> LossExample:
