@@ -122,14 +122,7 @@ def curve(args, seed: int, k: int) -> dict | None:
 
 def run_all(args) -> list[dict]:
     """Runs (or reuses) every seed x k in a subprocess each; returns their curves in seed, k order."""
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        RAY_AUTH_MODE="disabled",
-        WANDB_MODE="offline",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
+    env = child_env()
     runs = []
     for seed in args.seeds:
         for k in (0, args.async_staleness):
@@ -215,34 +208,60 @@ def verdict(runs: list[dict], async_k: int) -> dict:
     }
 
 
-def plot(runs: list[dict], async_k: int, path: str) -> None:
-    """Held-out accuracy against wall time, one line per run: sync in blue, async in orange."""
-    import matplotlib
+def plot_curves(runs: list[dict], path: str, *, colour, label, xlabel: str, ylabel: str, title: str) -> None:
+    """Held-out accuracy against wall time, one line per run (`eval_seconds`, `eval_accuracy`), a marker per seed;
+    `colour(run)` and `label(run)` name each line. Drawn on a `Figure`: the pyplot backend is left alone."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     seeds = sorted({r["seed"] for r in runs})
     markers = "os^Dv<>p*h"
     for r in runs:
-        mode = "sync" if r["max_staleness"] == 0 else "async"
         ax.plot(
             r["eval_seconds"],
             r["eval_accuracy"],
-            color=COLOURS[mode],
+            color=colour(r),
             marker=markers[seeds.index(r["seed"]) % len(markers)],
-            label=f"{mode} (k={r['max_staleness']}), seed {r['seed']}",
+            label=label(r),
         )
-    ax.set_xlabel("wall time of training (s, cumulative perf/step_seconds)")
-    ax.set_ylabel("held-out accuracy (greedy)")
-    ax.set_title(f"grpo_demo, SmolLM2-135M: sync vs async (k={async_k}), seeds {', '.join(map(str, seeds))}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a benchmark's run subprocess: JAX on the CPU, Ray without a token, wandb and the Hugging
+    Face hub offline."""
+    return dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        RAY_AUTH_MODE="disabled",
+        WANDB_MODE="offline",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
+def plot(runs: list[dict], async_k: int, path: str) -> None:
+    """Held-out accuracy against wall time, one line per run: sync in blue, async in orange."""
+    seeds = ", ".join(map(str, sorted({r["seed"] for r in runs})))
+    mode = lambda r: "sync" if r["max_staleness"] == 0 else "async"  # noqa: E731
+    plot_curves(
+        runs,
+        path,
+        colour=lambda r: COLOURS[mode(r)],
+        label=lambda r: f"{mode(r)} (k={r['max_staleness']}), seed {r['seed']}",
+        xlabel="wall time of training (s, cumulative perf/step_seconds)",
+        ylabel="held-out accuracy (greedy)",
+        title=f"grpo_demo, SmolLM2-135M: sync vs async (k={async_k}), seeds {seeds}",
+    )
 
 
 def main() -> None:

@@ -49,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from async_learning import child_env
+
 from feynrl_jax.host_memory import reexec_with_huge_pages
 
 reexec_with_huge_pages()  # before JAX allocates: every leg runs with it (the legs inherit the environment)
@@ -168,14 +170,7 @@ def main() -> None:
 
     args.workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="bench_async_"))
     os.makedirs(args.workdir, exist_ok=True)
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        RAY_AUTH_MODE="disabled",
-        WANDB_MODE="offline",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
+    env = child_env()
     ks = sorted({0, *args.staleness})
     pairs = PAIRS if args.which == "all" else (args.which,)
     settings = {k: v for k, v in vars(args).items() if k not in ("pair", "k")}

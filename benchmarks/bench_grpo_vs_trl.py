@@ -36,6 +36,17 @@ from feynrl_jax.host_memory import reexec_with_huge_pages
 reexec_with_huge_pages()  # before jax/torch allocate: both sides of every comparison run with it
 
 SYSTEM_PROMPT = "Reply with only the final answer."
+# TRL's settings shared by every comparison: one update per generated batch, a log record per step, on the CPU,
+# nothing saved or reported elsewhere.
+TRL_RUN_SETTINGS = dict(
+    num_iterations=1,
+    gradient_accumulation_steps=1,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    dataloader_num_workers=0,
+)
 TASK, TASK_OPTIONS = "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 
 
@@ -153,16 +164,10 @@ def run_trl(args) -> dict:
         max_steps=args.steps,
         beta=0.0,
         temperature=1.0,
-        num_iterations=1,
-        gradient_accumulation_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
         bf16=args.precision == "bfloat16",
         seed=0,
         shuffle_dataset=False,
-        dataloader_num_workers=0,
+        **TRL_RUN_SETTINGS,
     )
     timer = StepTimer()
     trainer = GRPOTrainer(

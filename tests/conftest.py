@@ -16,6 +16,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# One persistent compilation cache for the session, set before JAX is imported: the test process, the CLI
+# subprocesses and Ray's actors all inherit it, so a program compiled once (the tiny model's train step, its
+# rollout engine) is loaded, not compiled again, by every later run that builds the same program. The key covers
+# the program, its shardings, the XLA flags and the backend, so a hit is the executable a compile would produce.
+# Programs that compile in under 0.2 s are not written (unit tests compile hundreds of those).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="feynrl_jax_test_compile_cache_")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 # Hypothesis: the default profile is derandomized, so CI and every local run see the same examples and a
 # failure reproduces exactly. `HYPOTHESIS_PROFILE=explore` draws fresh random examples on every run.
 from hypothesis import settings  # noqa: E402
@@ -29,9 +44,9 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    """A local Ray instance (2 CPUs, the tiny RL config's `ray` settings) for one test module, with a persistent JAX
-    compilation cache shared by the module's actors (their processes compile the same tiny programs)."""
+def ray_session():
+    """A local Ray instance (2 CPUs, the tiny RL config's `ray` settings) for one test module; its actors inherit the
+    session's persistent compilation cache (above)."""
     import sys
 
     from feynrl_jax.orchestration.runtime import start_ray, stop_ray
@@ -39,8 +54,6 @@ def ray_session(tmp_path_factory):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
     import tiny_rl
 
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     assert start_ray(tiny_rl.get_config().ray)
     yield
     stop_ray()

@@ -24,7 +24,7 @@ import resume_harness as harness
 from feynrl_jax.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 3
+STEPS = 2
 LR = 1e-3
 
 
@@ -116,5 +116,5 @@ def test_two_trainer_processes_train_like_one(tmp_path):
     assert "trainer: mesh {'data': 2, 'fsdp': 4, 'tensor': 1} over 8 devices in 2 process(es), 4 in each" in log
     # Process 0 evaluated on the gathered params: the same held-out figures as the one-process trainer.
     evaluated = lambda run_dir: [r for r in read_metrics(str(run_dir)) if "eval/num_prompts" in r]  # noqa: E731
-    assert [r["step"] for r in evaluated(two)] == [r["step"] for r in evaluated(one)] == [0, 2, 3]
-    assert (two / "eval_results_step3.json").is_file()
+    assert [r["step"] for r in evaluated(two)] == [r["step"] for r in evaluated(one)] == [0, 2]
+    assert (two / "eval_results_step2.json").is_file()

@@ -1,0 +1,475 @@
+"""Learning at equal wall time: the demo job trained by feynrl-jax and by TRL's `GRPOTrainer`, over seeds.
+
+What it measures: for each seed in `--seeds`, held-out greedy accuracy against the wall time of training for
+  - ours: the demo job (`configs/grpo_demo.py`: GRPO on SmolLM2-135M-Instruct, reasoning-gym arithmetic, 4
+    prompts x 8 samples x 16 new tokens a step, lr 1e-5, temperature 1, no KL, one update per batch) for
+    `--steps` steps, evaluated every `--eval-every` steps; and
+  - TRL 1.16 `GRPOTrainer` on the same model folder, training prompts, system prompt and chat template, group
+    size, batch, completion length, learning rate (constant), temperature, clipping (0.2), advantage (group
+    z-score), loss aggregation (`loss_type="grpo"`: token mean per sequence, then the mean: ours'
+    `seq_mean_token_mean`), reward (the project's `gsm8k` reward with `fallback_last_number`), AdamW settings and
+    gradient clipping (1.0), trained until it has used as much wall time as ours did with the same seed
+    (it stops at the step end nearest that budget), evaluated every `--trl-eval-every` steps and when it stops.
+The claim it checks (issue #18): at equal wall time ours gains at least TRL's held-out accuracy, and reaches
+TRL's final accuracy sooner.
+
+One yardstick: both sides are evaluated by `feynrl_jax.eval.evaluate.evaluate` on the same 64 held-out prompts
+(`load_eval_set`, training questions dropped), greedy, 16 new tokens, scored by the same reward; ours generates
+with the native engine inside the run, TRL's model with transformers `generate` (an adapter engine below). Greedy
+decoding of the same weights agrees between the two (`tests/test_engine_hf_parity.py`), so the accuracy before
+training must be the same on both sides up to one prompt decided by a near-tie: the summary reports both, and a larger
+difference fails the script.
+
+Wall time: the wall time of the training steps (generation, scoring, update, weight sync), evaluations left out,
+start-up (Ray, model loading) left out on both sides, JAX compilation in ours' first step included.
+  - TRL: the time from each step's begin to its end (`TrainerCallback`); the evaluation runs after the step's
+    clock stops.
+  - Ours: each step's `perf/step_seconds` minus its `perf/eval_seconds` and `perf/checkpoint_seconds`. In a
+    sync run the rollout worker starts the next batch as soon as the new weights are published, so it
+    generates while the driver evaluates: the step after an evaluation would otherwise get that generation
+    for free. Such a step is charged the worker's time for its batch (rollout, reward, weight sync) that the
+    trainer did not wait for. That generation ran beside the evaluation on the same cores, so the charge is
+    at least what it saved.
+
+Usage:
+    pip install "trl==1.16.0"   # not a dependency of the project
+    python benchmarks/learning_vs_trl.py                                  # 3 seeds, the demo's 12 steps
+    python benchmarks/learning_vs_trl.py --seeds 0 --steps 2 --eval-every 1 --trl-eval-every 1 \\
+        --workdir /tmp/learning_vs_trl_smoke --json /tmp/lvt.json --plot /tmp/lvt.png        # smoke run
+
+Each run is a subprocess (JAX and PyTorch never share a process); finished runs whose settings match are reused
+from `--workdir`. Output: a line per run, a markdown table (seed | ours before -> after, seconds, steps | TRL
+before -> after, seconds, steps) with the means, the JSON summary `--json` and the plot `--plot` (accuracy
+against wall time, one line per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from async_learning import _mean, _std, child_env, demo_config, plot_curves
+from bench_grpo_vs_trl import TRL_RUN_SETTINGS
+
+from feynrl_jax.host_memory import reexec_with_huge_pages
+
+reexec_with_huge_pages()  # before JAX or torch allocate: both sides run with it
+
+COLOURS = {"ours": "tab:blue", "trl": "tab:orange"}
+
+
+def run_config(args, seed: int):
+    """Ours: the demo config with the seed, the benchmark's steps, evaluation cadence and precision."""
+    config = demo_config()
+    config.name = f"learning_vs_trl_seed{seed}"
+    config.run_dir = os.path.join(args.workdir, f"ours_seed{seed}")
+    config.seed = seed
+    config.train.steps = args.steps
+    config.train.eval_every = args.eval_every
+    config.checkpoint.every_steps = 0  # only the final save (TRL saves nothing; its time is left out below)
+    config.checkpoint.resume = False
+    config.tracking.progress_bar = False
+    if args.precision == "bfloat16":  # bf16 weights and compute, float32 master weights and optimizer state
+        config.model.param_dtype = config.model.compute_dtype = "bfloat16"
+        config.model.master_dtype = "float32"
+    return config
+
+
+def ours_curve(records: list[dict]) -> dict:
+    """Held-out accuracy against the wall time of training, from ours' `metrics.jsonl` (see the docstring)."""
+    seconds, accuracy, steps, wall, paused = [], [], [], 0.0, False
+    for record in records:
+        if record["step"] > 0:
+            step_wall = record["perf/step_seconds"]
+            step_wall -= record.get("perf/eval_seconds", 0.0) + record.get("perf/checkpoint_seconds", 0.0)
+            if paused:  # the worker made this batch while the driver evaluated: charge what the trainer did not wait
+                worker = sum(record.get(f"perf/{k}_seconds", 0.0) for k in ("rollout", "reward", "weight_sync"))
+                step_wall += max(0.0, worker - record["perf/trainer_wait_seconds"])
+            wall += step_wall
+        paused = "perf/eval_seconds" in record or "perf/checkpoint_seconds" in record or record["step"] == 0
+        if "eval/accuracy" in record:
+            steps.append(int(record["step"]))
+            seconds.append(wall)
+            accuracy.append(record["eval/accuracy"])
+            prompts = int(record["eval/num_prompts"])
+    if not steps or steps[0] != 0:
+        raise SystemExit("ours: no evaluation before training (step 0) in metrics.jsonl")
+    return {
+        "eval_steps": steps,
+        "eval_seconds": seconds,
+        "eval_accuracy": accuracy,
+        "eval_prompts": prompts,
+        "wall_seconds": wall,
+    }
+
+
+class TorchGreedyEngine:
+    """A `RolloutEngine` over a transformers causal LM, greedy only: the TRL side's evaluation engine."""
+
+    def __init__(self, model, pad_id: int):
+        self.model, self.pad_id = model, pad_id
+
+    def load_params(self, params, version: int) -> None:  # the model is trained in place
+        del params, version
+
+    def generate(self, prompts, sampling):
+        import numpy as np
+        import torch
+
+        from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, assemble_rollouts
+
+        if not sampling.greedy or sampling.n != 1 or sampling.stop_strings:
+            raise ValueError("TorchGreedyEngine evaluates greedily, one sample per prompt, without stop strings")
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left-padded: generation continues every row from its last token
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=sampling.max_new_tokens,
+                do_sample=False,
+                eos_token_id=list(sampling.stop_token_ids),
+                pad_token_id=self.pad_id,
+            )
+        self.model.train(was_training)
+        stops = set(sampling.stop_token_ids)
+        completions, finish = [], []
+        for row in out[:, width:].tolist():
+            end = next((j + 1 for j, token in enumerate(row) if token in stops), None)
+            completions.append(row[:end] if end else row)
+            finish.append(FINISH_STOP if end else FINISH_LENGTH)
+        return assemble_rollouts(
+            prompts,
+            [(i, 0) for i in range(len(prompts))],
+            completions,
+            [[0.0] * len(c) for c in completions],
+            np.asarray(finish),
+            width=sampling.max_new_tokens,
+            pad_id=self.pad_id,
+            policy_version=0,
+        )
+
+
+def run_ours(args, seed: int) -> None:
+    from feynrl_jax.orchestration import rl_loop
+
+    rl_loop.run(run_config(args, seed))
+
+
+def run_trl(args, seed: int, budget: float) -> dict:
+    """TRL on the demo's data and settings until `budget` seconds of training; returns its curve."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from feynrl_jax.checkpoints import load_tokenizer, smollm2_checkpoint_dir
+    from feynrl_jax.data.from_config import build_sources_from_config
+    from feynrl_jax.eval.evaluate import evaluator_from_config
+    from feynrl_jax.losses.registry import get_algorithm
+    from feynrl_jax.rollout.rewards.scorer import RewardScorer
+    from feynrl_jax.train.sft_loop import train_prompts
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = run_config(args, seed)
+    if (config.algo.name, config.algo.kl_coef, config.optim.schedule, config.optim.weight_decay) != (
+        "grpo",
+        0.0,
+        "constant",
+        0.0,
+    ):
+        raise SystemExit("the TRL side mirrors GRPO without KL at a constant lr and no weight decay: the demo changed")
+    folder = smollm2_checkpoint_dir()
+    tokenizer = load_tokenizer(folder)
+    sources = build_sources_from_config(config.data, paradigm="rl", split="train")
+    examples = [e for source in sources.values() for e in source.examples]
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": config.data.system_prompt},
+                {"role": "user", "content": e["prompt"]},
+            ],
+            "example": json.dumps(e, default=str),
+        }
+        for e in examples
+    ]
+    scorer = RewardScorer(
+        dict(config.rollout.rewards),
+        reward_kwargs={k: dict(v) for k, v in config.rollout.reward_kwargs.items()},
+        num_workers=1,
+    )
+
+    def reward(prompts, completions, example, completion_ids=None, **kwargs):
+        texts = [c[0]["content"] for c in completions]
+        lengths = [len(ids) for ids in completion_ids] if completion_ids is not None else None
+        total, _, _ = scorer.score(
+            [""] * len(texts), texts, [json.loads(x) for x in example], completion_lengths=lengths
+        )
+        return [float(t) for t in total]
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = TorchGreedyEngine(model, pad_id)
+    evaluator = evaluator_from_config(
+        config, None, None, tokenizer, exclude_prompts=train_prompts(config), engine=engine
+    )
+    curve = {"eval_steps": [], "eval_seconds": [], "eval_accuracy": [], "step_seconds": [], "reward_mean": []}
+
+    def evaluate(step: int, wall: float) -> None:
+        metrics = evaluator(None, step)
+        curve["eval_steps"].append(step)
+        curve["eval_seconds"].append(wall)
+        curve["eval_accuracy"].append(metrics["eval/accuracy"])
+        curve["eval_prompts"] = int(metrics["eval/num_prompts"])
+        print(f"trl seed {seed}: step {step}, {wall:.1f} s, accuracy {metrics['eval/accuracy']:.3f}", flush=True)
+
+    class Clock(TrainerCallback):
+        """Times each step, evaluates between steps (off the clock), stops at the step end nearest `budget`."""
+
+        def __init__(self):
+            self.begin, self.wall = 0.0, 0.0
+
+        def on_step_begin(self, _args, state, control, **kwargs):
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            seconds = time.perf_counter() - self.begin
+            self.wall += seconds
+            curve["step_seconds"].append(seconds)
+            # Stop when one more step would end further past the budget than this one is short of it.
+            if budget - self.wall < seconds / 2:
+                control.should_training_stop = True
+            if control.should_training_stop or state.global_step % args.trl_eval_every == 0:
+                evaluate(state.global_step, self.wall)
+
+        def on_log(self, _args, _state, _control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                curve["reward_mean"].append(logs["reward"])
+
+    group = config.rollout.n_samples
+    # The clipping range ours trains with: the config's, or (None) the loss's own default.
+    keywords = inspect.signature(get_algorithm(config.algo.name).loss_fn).parameters
+    clip = {k: keywords[k].default if config.algo.get(k) is None else config.algo[k] for k in ("clip_low", "clip_high")}
+    trl_config = GRPOConfig(
+        output_dir=os.path.join(args.workdir, f"trl_seed{seed}"),
+        per_device_train_batch_size=config.train.global_batch_size,
+        num_generations=group,
+        max_completion_length=config.rollout.max_new_tokens,
+        learning_rate=config.optim.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=config.optim.warmup_steps,
+        adam_beta1=config.optim.b1,
+        adam_beta2=config.optim.b2,
+        adam_epsilon=config.optim.eps,
+        weight_decay=config.optim.weight_decay,
+        max_grad_norm=config.optim.max_grad_norm,
+        max_steps=100_000,  # the clock stops it
+        beta=0.0,
+        epsilon=clip["clip_low"],
+        epsilon_high=clip["clip_high"],
+        loss_type="grpo",
+        scale_rewards="group",
+        temperature=config.rollout.temperature,
+        bf16=args.precision == "bfloat16",
+        seed=seed,
+        **TRL_RUN_SETTINGS,
+    )
+    evaluate(0, 0.0)
+    clock = Clock()
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=trl_config, train_dataset=Dataset.from_list(rows), callbacks=[clock]
+    )
+    try:
+        trainer.train()
+    finally:
+        evaluator.close()
+        scorer.close()
+    return curve | {"wall_seconds": clock.wall}
+
+
+def settings_of(args) -> dict:
+    keys = ("steps", "eval_every", "trl_eval_every", "precision")
+    return {k: getattr(args, k) for k in keys}
+
+
+def run_child(args, role: str, seed: int, budget: float | None, log_path: str) -> None:
+    command = [sys.executable, __file__, "--run", role, "--seed-of-run", str(seed), "--workdir", args.workdir]
+    command += ["--steps", str(args.steps), "--eval-every", str(args.eval_every)]
+    command += ["--trl-eval-every", str(args.trl_eval_every), "--precision", args.precision]
+    command += ["--budget", str(budget)] if budget is not None else []
+    env = child_env()
+    print(f"seed {seed}, {role}: running (log: {log_path})", file=sys.stderr, flush=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    if code != 0:
+        tail = Path(log_path).read_text(encoding="utf-8")[-4000:]
+        raise SystemExit(f"seed {seed}, {role} failed (exit {code}), log {log_path}:\n{tail}")
+
+
+def result_of(args, role: str, seed: int, budget: float | None = None) -> dict:
+    """The run's curve: reused from `<workdir>/<role>_seed<s>.json` when its settings match, else run."""
+    path = os.path.join(args.workdir, f"{role}_seed{seed}.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if saved["settings"] == settings_of(args) and saved.get("budget") == budget:
+            print(f"seed {seed}, {role}: reusing {path}", file=sys.stderr, flush=True)
+            return saved
+    t0 = time.perf_counter()
+    if role == "ours":
+        from feynrl_jax.tracking import read_metrics
+
+        run_dir = run_config(args, seed).run_dir
+        shutil.rmtree(run_dir, ignore_errors=True)  # ours alone: an unfinished run is started again
+        run_child(args, role, seed, None, run_dir + ".log")
+        result = ours_curve(read_metrics(run_dir))
+        if result["eval_steps"][-1] != args.steps:
+            raise SystemExit(f"{run_dir}: metrics end before step {args.steps}")
+    else:
+        out = os.path.join(args.workdir, f"trl_seed{seed}.curve.json")
+        run_child(args, role, seed, budget, out.removesuffix(".curve.json") + ".log")
+        with open(out, encoding="utf-8") as f:
+            result = json.load(f)
+    result |= {"seed": seed, "side": role, "settings": settings_of(args), "budget": budget}
+    result |= {"accuracy_before": result["eval_accuracy"][0], "accuracy_after": result["eval_accuracy"][-1]}
+    result["process_seconds"] = time.perf_counter() - t0
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def time_to_reach(result: dict, target: float) -> float | None:
+    """The wall time of the first evaluation at or above `target`, None when none is."""
+    return next((s for s, a in zip(result["eval_seconds"], result["eval_accuracy"]) if a >= target), None)
+
+
+def summarise(runs: list[dict]) -> dict:
+    """The claim's numbers: each side's gain at equal wall time, and per seed when each side first reached the
+    lower of the two final accuracies (a level both reached; ours is evaluated every `--eval-every` steps, TRL
+    every `--trl-eval-every`, so a coarser cadence can only make a side look later)."""
+    ours = [r for r in runs if r["side"] == "ours"]
+    trl = [r for r in runs if r["side"] == "trl"]
+    gain = {
+        side: [r["accuracy_after"] - r["accuracy_before"] for r in group]
+        for side, group in (("ours", ours), ("trl", trl))
+    }
+    targets = [min(o["accuracy_after"], t["accuracy_after"]) for o, t in zip(ours, trl)]
+    return {
+        "ours_gain_mean": _mean(gain["ours"]),
+        "ours_gain_std": _std(gain["ours"]),
+        "trl_gain_mean": _mean(gain["trl"]),
+        "trl_gain_std": _std(gain["trl"]),
+        "ours_gain_at_least_trls": _mean(gain["ours"]) >= _mean(gain["trl"]),
+        "ours_wall_seconds_mean": _mean([r["wall_seconds"] for r in ours]),
+        "trl_wall_seconds_mean": _mean([r["wall_seconds"] for r in trl]),
+        "ours_steps_mean": _mean([r["eval_steps"][-1] for r in ours]),
+        "trl_steps_mean": _mean([r["eval_steps"][-1] for r in trl]),
+        "common_target_accuracy": targets,
+        "ours_seconds_to_target": [time_to_reach(o, x) for o, x in zip(ours, targets)],
+        "trl_seconds_to_target": [time_to_reach(t, x) for t, x in zip(trl, targets)],
+    }
+
+
+def table(runs: list[dict]) -> str:
+    by = {(r["seed"], r["side"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+
+    def cell(r: dict) -> str:
+        accuracy = f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}"
+        return f"{accuracy}, {r['wall_seconds']:.0f} s, {r['eval_steps'][-1]} steps"
+
+    lines = ["| seed | ours: before -> after, wall, steps | TRL: before -> after, wall, steps |", "| --- | --- | --- |"]
+    lines += [f"| {s} | {cell(by[s, 'ours'])} | {cell(by[s, 'trl'])} |" for s in seeds]
+    means = []
+    for side in ("ours", "trl"):
+        group = [by[s, side] for s in seeds]
+        after = [r["accuracy_after"] for r in group]
+        means.append(
+            f"{_mean([r['accuracy_before'] for r in group]):.3f} -> {_mean(after):.3f} +- {_std(after):.3f}, "
+            f"{_mean([r['wall_seconds'] for r in group]):.0f} s"
+        )
+    lines.append(f"| mean (+- std over seeds) | {means[0]} | {means[1]} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: str, precision: str) -> None:
+    plot_curves(
+        runs,
+        path,
+        colour=lambda r: COLOURS[r["side"]],
+        label=lambda r: f"{'feynrl-jax' if r['side'] == 'ours' else 'TRL 1.16'}, seed {r['seed']}",
+        xlabel="wall time of training (s, evaluations left out)",
+        ylabel="held-out accuracy (greedy, 64 prompts)",
+        title=f"grpo_demo, SmolLM2-135M, {precision}: feynrl-jax vs TRL at equal wall time",
+    )
+
+
+def main() -> None:
+    demo = demo_config()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=demo.train.steps, help="ours: training steps")
+    parser.add_argument("--eval-every", type=int, default=3, help="ours: evaluate every this many steps")
+    parser.add_argument("--trl-eval-every", type=int, default=1, help="TRL: evaluate every this many steps")
+    parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="both sides")
+    parser.add_argument("--workdir", default="runs/learning_vs_trl", help="run folders and results (reused)")
+    parser.add_argument("--json", default="docs/learning_vs_trl.json")
+    parser.add_argument("--plot", default="docs/learning_vs_trl.png")
+    parser.add_argument("--run", choices=("ours", "trl"), help=argparse.SUPPRESS)  # a child's role
+    parser.add_argument("--seed-of-run", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.workdir = os.path.abspath(args.workdir)
+    if args.run == "ours":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        run_ours(args, args.seed_of_run)
+        return
+    if args.run == "trl":
+        curve = run_trl(args, args.seed_of_run, args.budget)
+        with open(os.path.join(args.workdir, f"trl_seed{args.seed_of_run}.curve.json"), "w", encoding="utf-8") as f:
+            json.dump(curve, f)
+        return
+
+    os.makedirs(args.workdir, exist_ok=True)
+    runs = []
+    for seed in args.seeds:
+        ours = result_of(args, "ours", seed)
+        trl = result_of(args, "trl", seed, budget=round(ours["wall_seconds"], 3))
+        # The same weights decoded greedily by two engines: one prompt may flip on a near-tie of its two most
+        # likely tokens (float32 sums in another order, left padding in transformers' batch), no more.
+        if ours["eval_prompts"] != trl["eval_prompts"]:
+            raise SystemExit(f"seed {seed}: ours evaluated {ours['eval_prompts']} prompts, TRL {trl['eval_prompts']}")
+        if abs(ours["accuracy_before"] - trl["accuracy_before"]) * ours["eval_prompts"] > 1:
+            raise SystemExit(
+                f"seed {seed}: accuracy before training differs (ours {ours['accuracy_before']}, TRL "
+                f"{trl['accuracy_before']}): the two evaluations are not the same yardstick"
+            )
+        runs += [ours, trl]
+    summary = {"settings": settings_of(args) | {"seeds": args.seeds}, "verdict": summarise(runs), "runs": runs}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+    plot(runs, args.plot, args.precision)
+    print(table(runs))
+    print(json.dumps(summary["verdict"]))
+    print(f"summary: {args.json}; plot: {args.plot}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
