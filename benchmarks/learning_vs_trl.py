@@ -10,8 +10,12 @@ What it measures: for each seed in `--seeds`, held-out greedy accuracy against t
     `seq_mean_token_mean`), reward (the project's `gsm8k` reward with `fallback_last_number`), AdamW settings and
     gradient clipping (1.0), trained until it has used as much wall time as ours did with the same seed
     (it stops at the step end nearest that budget), evaluated every `--trl-eval-every` steps and when it stops.
-The claim it checks (issue #18): at equal wall time ours gains at least TRL's held-out accuracy, and reaches
-TRL's final accuracy sooner.
+The claim it checks (issue #18): at equal wall time ours gains at least TRL's held-out accuracy, and reaches a
+given accuracy sooner (per seed: the lower of the two final accuracies, a level both sides reached).
+
+Prompt order: ours draws its training prompts in the order of `data.shuffle_seed` (0, the demo's), whatever the
+seed; TRL shuffles them with its `seed`. The three seeds of ours differ in sampling only, TRL's in sampling and in
+prompt order.
 
 One yardstick: both sides are evaluated by `feynrl_jax.eval.evaluate.evaluate` on the same 64 held-out prompts
 (`load_eval_set`, training questions dropped), greedy, 16 new tokens, scored by the same reward; ours generates
@@ -27,9 +31,10 @@ start-up (Ray, model loading) left out on both sides, JAX compilation in ours' f
   - Ours: each step's `perf/step_seconds` minus its `perf/eval_seconds` and `perf/checkpoint_seconds`. In a
     sync run the rollout worker starts the next batch as soon as the new weights are published, so it
     generates while the driver evaluates: the step after an evaluation would otherwise get that generation
-    for free. Such a step is charged the worker's time for its batch (rollout, reward, weight sync) that the
-    trainer did not wait for. That generation ran beside the evaluation on the same cores, so the charge is
-    at least what it saved.
+    for free. Such a step is charged the worker's time for its batch (`perf/rollout_seconds`, which includes
+    loading the weights, and `perf/reward_seconds`) that the trainer did not wait for; at step 1 less the
+    first weight load, which builds the rollout engine (start-up). That generation ran beside the evaluation
+    on the same cores, so the charge is at least what it saved.
 
 Usage:
     pip install "trl==1.16.0"   # not a dependency of the project
@@ -37,16 +42,15 @@ Usage:
     python benchmarks/learning_vs_trl.py --seeds 0 --steps 2 --eval-every 1 --trl-eval-every 1 \\
         --workdir /tmp/learning_vs_trl_smoke --json /tmp/lvt.json --plot /tmp/lvt.png        # smoke run
 
-Each run is a subprocess (JAX and PyTorch never share a process); finished runs whose settings match are reused
-from `--workdir`. Output: a line per run, a markdown table (seed | ours before -> after, seconds, steps | TRL
-before -> after, seconds, steps) with the means, the JSON summary `--json` and the plot `--plot` (accuracy
-against wall time, one line per run).
+Each run is a subprocess of its own (the TRL process imports the project's data, reward and evaluation code, and
+with it JAX, which computes nothing there); finished runs whose settings match are reused from `--workdir`. Output:
+a line per run, a markdown table (seed | ours before -> after, seconds, steps | TRL before -> after, seconds, steps)
+with the means, the JSON summary `--json` and the plot `--plot` (accuracy against wall time, one line per run).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -91,7 +95,10 @@ def ours_curve(records: list[dict]) -> dict:
             step_wall = record["perf/step_seconds"]
             step_wall -= record.get("perf/eval_seconds", 0.0) + record.get("perf/checkpoint_seconds", 0.0)
             if paused:  # the worker made this batch while the driver evaluated: charge what the trainer did not wait
-                worker = sum(record.get(f"perf/{k}_seconds", 0.0) for k in ("rollout", "reward", "weight_sync"))
+                # `perf/rollout_seconds` holds the worker's weight load; step 1's load builds its engine (start-up).
+                worker = record["perf/rollout_seconds"] + record.get("perf/reward_seconds", 0.0)
+                if record["step"] == 1:
+                    worker -= record.get("perf/weight_sync_seconds", 0.0)
                 step_wall += max(0.0, worker - record["perf/trainer_wait_seconds"])
             wall += step_wall
         paused = "perf/eval_seconds" in record or "perf/checkpoint_seconds" in record or record["step"] == 0
@@ -180,8 +187,8 @@ def run_trl(args, seed: int, budget: float) -> dict:
     from feynrl_jax.checkpoints import load_tokenizer, smollm2_checkpoint_dir
     from feynrl_jax.data.from_config import build_sources_from_config
     from feynrl_jax.eval.evaluate import evaluator_from_config
-    from feynrl_jax.losses.registry import get_algorithm
     from feynrl_jax.rollout.rewards.scorer import RewardScorer
+    from feynrl_jax.train.rl_trainer import loss_hyperparameters
     from feynrl_jax.train.sft_loop import train_prompts
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -261,9 +268,12 @@ def run_trl(args, seed: int, budget: float) -> dict:
                 curve["reward_mean"].append(logs["reward"])
 
     group = config.rollout.n_samples
-    # The clipping range ours trains with: the config's, or (None) the loss's own default.
-    keywords = inspect.signature(get_algorithm(config.algo.name).loss_fn).parameters
-    clip = {k: keywords[k].default if config.algo.get(k) is None else config.algo[k] for k in ("clip_low", "clip_high")}
+    # The loss ours trains with (the config's values over the algorithm's defaults): TRL's "grpo" loss type is
+    # the per-sequence token mean, then the mean over sequences.
+    hyperparameters = loss_hyperparameters(config)
+    if hyperparameters["loss_agg"] != "seq_mean_token_mean":
+        raise SystemExit(f"TRL's loss_type='grpo' is seq_mean_token_mean, ours is {hyperparameters['loss_agg']!r}")
+    clip = {k: hyperparameters[k] for k in ("clip_low", "clip_high")}
     trl_config = GRPOConfig(
         output_dir=os.path.join(args.workdir, f"trl_seed{seed}"),
         per_device_train_batch_size=config.train.global_batch_size,
@@ -320,8 +330,22 @@ def run_child(args, role: str, seed: int, budget: float | None, log_path: str) -
         raise SystemExit(f"seed {seed}, {role} failed (exit {code}), log {log_path}:\n{tail}")
 
 
+def finished(run_dir: str, config) -> bool:
+    """Whether `run_dir` holds a run of `config` whose metrics reach its last step."""
+    from feynrl_jax.tracking import read_metrics
+
+    try:
+        records = read_metrics(run_dir)
+        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+            same = json.load(f) == json.loads(config.to_json_best_effort())
+    except FileNotFoundError:
+        return False
+    return same and bool(records) and records[-1]["step"] == config.train.steps
+
+
 def result_of(args, role: str, seed: int, budget: float | None = None) -> dict:
-    """The run's curve: reused from `<workdir>/<role>_seed<s>.json` when its settings match, else run."""
+    """The run's curve: reused from `<workdir>/<role>_seed<s>.json` when its settings match; else ours' curve is
+    read from its run folder when that holds the finished run, and otherwise the side is run."""
     path = os.path.join(args.workdir, f"{role}_seed{seed}.json")
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -333,9 +357,11 @@ def result_of(args, role: str, seed: int, budget: float | None = None) -> dict:
     if role == "ours":
         from feynrl_jax.tracking import read_metrics
 
-        run_dir = run_config(args, seed).run_dir
-        shutil.rmtree(run_dir, ignore_errors=True)  # ours alone: an unfinished run is started again
-        run_child(args, role, seed, None, run_dir + ".log")
+        config = run_config(args, seed)
+        run_dir = config.run_dir
+        if not finished(run_dir, config):  # a finished run folder is read again, not rerun
+            shutil.rmtree(run_dir, ignore_errors=True)  # ours alone: an unfinished run is started again
+            run_child(args, role, seed, None, run_dir + ".log")
         result = ours_curve(read_metrics(run_dir))
         if result["eval_steps"][-1] != args.steps:
             raise SystemExit(f"{run_dir}: metrics end before step {args.steps}")
