@@ -165,29 +165,34 @@ def _std(values: list[float]) -> float:
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
 
 
-def table(runs: list[dict], async_k: int) -> str:
-    """Markdown: one row per seed, sync and async side by side, then the means (and the seeds' spread)."""
-    by = {(r["seed"], r["max_staleness"]): r for r in runs}
+def seed_table(runs: list[dict], columns: dict, cell) -> str:
+    """Markdown: one row per seed and a column per entry of `columns` (header -> which runs it holds), each run
+    written by `cell(run)`, then the means of each column (before -> after +- the seeds' spread, wall seconds)."""
     seeds = sorted({r["seed"] for r in runs})
-
-    def cell(r: dict) -> str:
-        return f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}, {r['wall_seconds']:.0f} s"
-
-    lines = [
-        f"| seed | sync (k=0) before -> after, seconds | async (k={async_k}) before -> after, seconds |",
-        "| --- | --- | --- |",
-    ]
-    lines += [f"| {s} | {cell(by[s, 0])} | {cell(by[s, async_k])} |" for s in seeds]
+    held = {header: {r["seed"]: r for r in runs if holds(r)} for header, holds in columns.items()}
+    lines = ["| seed | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
+    lines += [f"| {s} | " + " | ".join(cell(held[h][s]) for h in columns) + " |" for s in seeds]
     means = []
-    for k in (0, async_k):
-        group = [by[s, k] for s in seeds]
+    for header in columns:
+        group = [held[header][s] for s in seeds]
         after = [r["accuracy_after"] for r in group]
         means.append(
             f"{_mean([r['accuracy_before'] for r in group]):.3f} -> {_mean(after):.3f} +- {_std(after):.3f}, "
             f"{_mean([r['wall_seconds'] for r in group]):.0f} s"
         )
-    lines.append(f"| mean (+- std over seeds) | {means[0]} | {means[1]} |")
+    lines.append("| mean (+- std over seeds) | " + " | ".join(means) + " |")
     return "\n".join(lines)
+
+
+def table(runs: list[dict], async_k: int) -> str:
+    """Markdown: one row per seed, sync and async side by side, then the means (and the seeds' spread)."""
+    columns = {
+        "sync (k=0) before -> after, seconds": lambda r: r["max_staleness"] == 0,
+        f"async (k={async_k}) before -> after, seconds": lambda r: r["max_staleness"] == async_k,
+    }
+    return seed_table(
+        runs, columns, lambda r: f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}, {r['wall_seconds']:.0f} s"
+    )
 
 
 def verdict(runs: list[dict], async_k: int) -> dict:

@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from async_learning import _mean, _std, child_env, demo_config, plot_curves
+from async_learning import _mean, _std, child_env, demo_config, plot_curves, seed_table
 from bench_grpo_vs_trl import TRL_RUN_SETTINGS
 
 from feynrl_jax.host_memory import reexec_with_huge_pages
@@ -412,25 +412,15 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def table(runs: list[dict]) -> str:
-    by = {(r["seed"], r["side"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs})
-
     def cell(r: dict) -> str:
         accuracy = f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}"
         return f"{accuracy}, {r['wall_seconds']:.0f} s, {r['eval_steps'][-1]} steps"
 
-    lines = ["| seed | ours: before -> after, wall, steps | TRL: before -> after, wall, steps |", "| --- | --- | --- |"]
-    lines += [f"| {s} | {cell(by[s, 'ours'])} | {cell(by[s, 'trl'])} |" for s in seeds]
-    means = []
-    for side in ("ours", "trl"):
-        group = [by[s, side] for s in seeds]
-        after = [r["accuracy_after"] for r in group]
-        means.append(
-            f"{_mean([r['accuracy_before'] for r in group]):.3f} -> {_mean(after):.3f} +- {_std(after):.3f}, "
-            f"{_mean([r['wall_seconds'] for r in group]):.0f} s"
-        )
-    lines.append(f"| mean (+- std over seeds) | {means[0]} | {means[1]} |")
-    return "\n".join(lines)
+    columns = {
+        "ours: before -> after, wall, steps": lambda r: r["side"] == "ours",
+        "TRL: before -> after, wall, steps": lambda r: r["side"] == "trl",
+    }
+    return seed_table(runs, columns, cell)
 
 
 def plot(runs: list[dict], path: str, precision: str) -> None:
