@@ -3,7 +3,7 @@
 The shapes are SmolLM2-135M's products in a training step of `--tokens` tokens: the MLP's up projection forward
 (`[T, D] @ [D, F]`), its two gradients (`dx = dy @ W^T`, `dW = x^T @ dy`, read through strides by the kernel) and
 the tied output projection (`[T, D] @ E^T` to float32 logits). Every side runs in this process, each product timed
-as the best of `--repeats` after a warm-up, both libraries on every core.
+as the best of `--repeats` after a warm-up, both libraries on every CPU this process may use (`usable_cpus`).
 
 Run:
     python benchmarks/bench_cpu_matmul.py --tokens 2048
@@ -37,6 +37,20 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (`cpu.max`, a container's
+    `--cpus`). `os.cpu_count()` counts the host's CPUs, which in a container can be many more."""
+    count = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -57,10 +71,10 @@ def main():
         raise SystemExit(f"the oneDNN kernel cannot run: {onednn.problem()}")
     import torch
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(usable_cpus())
     t, d, f, v = args.tokens, args.hidden, args.intermediate, args.vocab
     units = ", ".join(onednn.cpu_bf16_units()) or "none"
-    print(f"cpu: {cpu_model()}, {os.cpu_count()} cores, bf16 matrix instructions: {units}")
+    print(f"cpu: {cpu_model()}, {usable_cpus()} usable of {os.cpu_count()} cpus, bf16 matrix instructions: {units}")
     rng = np.random.default_rng(0)
     # name: (a shape, b shape, trans_b, output dtype); out = a @ b (a @ b.T with trans_b)
     shapes = {

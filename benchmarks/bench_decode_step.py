@@ -114,6 +114,21 @@ def main():
         time_dispatches(config, layout_params, caches, batch, cache_len, args.dispatch_steps, live_len)
 
 
+def decode_state(cache, positions: np.ndarray, cache_len: int) -> DecodeState:
+    """A decode state of `len(positions)` active rows at `positions` over `cache`, every array fresh (a dispatch
+    donates, and so deletes, the state it is given)."""
+    batch = len(positions)
+    return DecodeState(
+        cache=cache,
+        tokens=jnp.ones((batch,), jnp.int32),
+        positions=jnp.asarray(positions),
+        active=jnp.ones((batch,), bool),
+        generated=jnp.zeros((batch,), jnp.int32),
+        max_new=jnp.full((batch,), cache_len, jnp.int32),
+        keys=jnp.zeros((batch, 2), jnp.uint32),
+    )
+
+
 def time_dispatches(config, layout_params, caches, batch, cache_len, steps, live_len, repeats=4):
     """The engine's jitted decode dispatch (greedy sampling included), alternating between the stacked layout,
     the per-layer one, and the per-layer one attending to the cache prefix the rows reach (as the engine does)."""
@@ -126,16 +141,8 @@ def time_dispatches(config, layout_params, caches, batch, cache_len, steps, live
     )
     args = (jnp.zeros((0,), jnp.int32), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
 
-    def state(cache):  # fresh arrays for every state: a dispatch donates (deletes) the state it is given
-        return DecodeState(
-            cache=cache,
-            tokens=jnp.ones((batch,), jnp.int32),
-            positions=jnp.asarray(positions),
-            active=jnp.ones((batch,), bool),
-            generated=jnp.zeros((batch,), jnp.int32),
-            max_new=jnp.full((batch,), cache_len, jnp.int32),
-            keys=jnp.zeros((batch, 2), jnp.uint32),
-        )
+    def state(cache):
+        return decode_state(cache, positions, cache_len)
 
     (stacked, stacked_cache), (per_layer, per_layer_cache) = caches.items()
     runs = {  # name: (params, state, attend_len)

