@@ -69,7 +69,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from feynrl_jax.losses import ALGORITHMS, TrainBatch  # noqa: E402
-from feynrl_jax.models import ModelConfig, init_params, param_shapes, unstack_layers  # noqa: E402
+from feynrl_jax.models import ModelConfig, cache_dtype, init_params, param_shapes, unstack_layers  # noqa: E402
 from feynrl_jax.rollout.decode import decode_dispatch  # noqa: E402
 from feynrl_jax.rollout.slots import init_state  # noqa: E402
 from feynrl_jax.sharding import RULES, make_mesh  # noqa: E402
@@ -163,7 +163,8 @@ def decode_bytes_per_step(config: ModelConfig, batch: int, cache_len: int) -> di
     """Bytes one decode step reads from memory: the weights once and the whole KV cache.
 
     Args:
-        config: the model (weights in ``param_dtype``, cache in ``compute_dtype``).
+        config: the model (weights in ``param_dtype``, cache in ``cache_dtype(config)``: the compute dtype on an
+            accelerator, float32 on a CPU).
         batch: B, rows decoding one token each.
         cache_len: S, cache positions the step attends to (all of them are read; the mask is applied after).
 
@@ -177,7 +178,7 @@ def decode_bytes_per_step(config: ModelConfig, batch: int, cache_len: int) -> di
     if not config.tie_word_embeddings:
         weights += batch * config.hidden_size - embedding
     kv = 2 * config.num_layers * batch * config.num_kv_heads * config.head_dim * cache_len
-    kv_bytes = kv * jnp.dtype(config.compute_dtype).itemsize
+    kv_bytes = kv * cache_dtype(config).itemsize
     return {"weights": weights * param_bytes, "kv_cache": kv_bytes, "total": weights * param_bytes + kv_bytes}
 
 
