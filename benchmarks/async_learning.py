@@ -83,20 +83,31 @@ def run_config(args, seed: int, k: int):
     return config
 
 
-def curve(args, seed: int, k: int) -> dict | None:
-    """The run's held-out accuracy against wall time, or None when its metrics do not reach the last step."""
+def finished_run(run_dir: str, config) -> tuple[list[dict] | None, bool]:
+    """`(metrics records, same settings)` of the run in `run_dir`: the records when they reach `config.train.steps`
+    (else None), and whether its `config.json` is `config` (False where it has none)."""
     from feynrl_jax.tracking import read_metrics
 
-    run_dir = run_dir_of(args, seed, k)
     try:
         records = read_metrics(run_dir)
     except FileNotFoundError:
+        records = []
+    try:
+        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+            same = json.load(f) == json.loads(config.to_json_best_effort())
+    except FileNotFoundError:
+        same = False
+    return (records if records and records[-1]["step"] == config.train.steps else None), same
+
+
+def curve(args, seed: int, k: int) -> dict | None:
+    """The run's held-out accuracy against wall time, or None when its metrics do not reach the last step."""
+    run_dir = run_dir_of(args, seed, k)
+    records, same = finished_run(run_dir, run_config(args, seed, k))
+    if records is None or "eval/accuracy" not in records[-1]:
         return None
-    if not records or records[-1]["step"] != args.steps or "eval/accuracy" not in records[-1]:
-        return None
-    with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-        if json.load(f) != json.loads(run_config(args, seed, k).to_json_best_effort()):
-            raise SystemExit(f"{run_dir} was run with other settings (its config.json): choose another --workdir")
+    if not same:
+        raise SystemExit(f"{run_dir} was run with other settings (its config.json): choose another --workdir")
     steps, seconds, accuracy, wall = [], [], [], 0.0
     for record in records:
         wall += record.get("perf/step_seconds", 0.0)  # step 0 (the evaluation before training) has none

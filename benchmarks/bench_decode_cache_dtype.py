@@ -41,25 +41,6 @@ from feynrl_jax.models import ModelConfig, cache_dtype, init_cache, init_params,
 from feynrl_jax.rollout.decode import decode_dispatch  # noqa: E402
 
 
-def smollm2_config(**overrides) -> ModelConfig:
-    """SmolLM2-135M's `ModelConfig` (from `SMOLLM2_135M_SHAPES`, transformers' field names)."""
-    s = SMOLLM2_135M_SHAPES
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=s["vocab_size"],
-        hidden_size=s["hidden_size"],
-        intermediate_size=s["intermediate_size"],
-        num_layers=s["num_hidden_layers"],
-        num_heads=s["num_attention_heads"],
-        num_kv_heads=s["num_key_value_heads"],
-        head_dim=s["head_dim"],
-        rms_norm_eps=s["rms_norm_eps"],
-        rope_theta=s["rope_theta"],
-        tie_word_embeddings=s["tie_word_embeddings"],
-        **overrides,
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -69,7 +50,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    config = smollm2_config(param_dtype="bfloat16", compute_dtype="bfloat16", cpu_matmul="auto")
+    shapes = {"model_type": "llama", **SMOLLM2_135M_SHAPES}
+    config = ModelConfig.from_hf(shapes, param_dtype="bfloat16", compute_dtype="bfloat16", cpu_matmul="auto")
     params = unstack_layers(init_params(config, jax.random.key(0)))
     batch, steps = args.batch, args.dispatch_steps
     positions = np.linspace(0, args.live_len - steps, batch).astype(np.int32)  # fresh arrays: dispatch donates

@@ -141,16 +141,13 @@ def time_dispatches(config, layout_params, caches, batch, cache_len, steps, live
     )
     args = (jnp.zeros((0,), jnp.int32), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
 
-    def state(cache):
-        return decode_state(cache, positions, cache_len)
-
     (stacked, stacked_cache), (per_layer, per_layer_cache) = caches.items()
     runs = {  # name: (params, state, attend_len)
-        stacked: (layout_params[stacked], state(stacked_cache), None),
-        per_layer: (layout_params[per_layer], state(per_layer_cache), None),
+        stacked: (layout_params[stacked], decode_state(stacked_cache, positions, cache_len), None),
+        per_layer: (layout_params[per_layer], decode_state(per_layer_cache, positions, cache_len), None),
         f"{per_layer}, attend_len={attend_len}": (
             layout_params[per_layer],
-            state(jax.tree.map(jnp.copy, per_layer_cache)),
+            decode_state(jax.tree.map(jnp.copy, per_layer_cache), positions, cache_len),
             attend_len,
         ),
     }

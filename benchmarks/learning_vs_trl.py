@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from async_learning import _mean, _std, child_env, demo_config, plot_curves, seed_table
+from async_learning import _mean, _std, child_env, demo_config, finished_run, plot_curves, seed_table
 from bench_grpo_vs_trl import TRL_RUN_SETTINGS
 
 from feynrl_jax.host_memory import reexec_with_huge_pages
@@ -330,19 +330,6 @@ def run_child(args, role: str, seed: int, budget: float | None, log_path: str) -
         raise SystemExit(f"seed {seed}, {role} failed (exit {code}), log {log_path}:\n{tail}")
 
 
-def finished(run_dir: str, config) -> bool:
-    """Whether `run_dir` holds a run of `config` whose metrics reach its last step."""
-    from feynrl_jax.tracking import read_metrics
-
-    try:
-        records = read_metrics(run_dir)
-        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
-            same = json.load(f) == json.loads(config.to_json_best_effort())
-    except FileNotFoundError:
-        return False
-    return same and bool(records) and records[-1]["step"] == config.train.steps
-
-
 def result_of(args, role: str, seed: int, budget: float | None = None) -> dict:
     """The run's curve: reused from `<workdir>/<role>_seed<s>.json` when its settings match; else ours' curve is
     read from its run folder when that holds the finished run, and otherwise the side is run."""
@@ -359,7 +346,8 @@ def result_of(args, role: str, seed: int, budget: float | None = None) -> dict:
 
         config = run_config(args, seed)
         run_dir = config.run_dir
-        if not finished(run_dir, config):  # a finished run folder is read again, not rerun
+        records, same = finished_run(run_dir, config)
+        if records is None or not same:  # a finished run folder of these settings is read again, not rerun
             shutil.rmtree(run_dir, ignore_errors=True)  # ours alone: an unfinished run is started again
             run_child(args, role, seed, None, run_dir + ".log")
         result = ours_curve(read_metrics(run_dir))

@@ -406,8 +406,8 @@ def forward(
         of leading indices: `(layer,)` for the stacked cache, `()` for one layer's), then attends to it."""
         # Advanced indices split by slices: numpy puts the broadcast [B, T] index dimensions first, so the
         # indexed block of either cache is [B, T, K, Dh], the layout of k and v.
-        # Rounded to the compute dtype: a wider cache (`cache_dtype`) holds the same values as one in it.
-        k, v = (round_to(x.astype(ck.dtype), dtype) if ck.dtype != dtype else x.astype(dtype) for x in (k, v))
+        # Rounded to the compute dtype, stored in the cache's: a wider cache (`cache_dtype`) holds the same values.
+        k, v = (round_to(x, dtype).astype(ck.dtype) for x in (k, v))
         ck = ck.at[(*at, batch_idx, slice(None), slice(None), write_idx)].set(k, mode="drop")
         cv = cv.at[(*at, batch_idx, slice(None), write_idx)].set(v, mode="drop")
         keys, values = ck[at], cv[at]
