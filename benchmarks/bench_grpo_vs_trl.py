@@ -17,12 +17,14 @@ Usage:
     python benchmarks/bench_grpo_vs_trl.py --remat full      # ours: model.remat="full"
 
 Output: one JSON line per side and a summary line with the ratio `trl_seconds_per_step / ours_seconds_per_step`
-and each side's peak resident memory (`run_side`: the sum over the side's process tree, Ray's processes included).
+and each side's peak memory (`run_side`: summed over the side's process tree, Ray's processes included; as
+resident memory, which counts a page shared between processes in each, and as PSS, which counts it once).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -194,35 +196,49 @@ def summarise(name: str, result: dict) -> dict:
     }
 
 
-def run_side(command: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
-    """Runs one side's subprocess; returns it and the peak of the summed resident memory of its process tree
-    (the side's own process and everything it starts: Ray's raylet, GCS, the trainer and rollout actors, reward
-    workers), sampled every 0.2 s."""
+def run_side(command: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Runs one side's subprocess; returns it and two peaks of the memory of its process tree (the side's own
+    process and everything it starts: Ray's raylet, GCS, the trainer and rollout actors, reward workers), in GiB,
+    sampled every 0.2 s:
+
+    * the summed resident memory (RSS): a page shared between processes counts once in each (Ray's object
+      store maps one copy of the published weights into the trainer, the store and the rollout worker);
+    * the summed proportional set size (PSS, Linux `smaps_rollup`): a page shared by `n` processes counts
+      `1 / n` in each, so the tree's memory counts every page once: what the machine holds for the side.
+      Reading it walks each process's page tables, so it is sampled every 1 s only (every fifth sample).
+    """
     import psutil
 
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = [0]
-    at_peak: dict[str, float] = {}
+    peak = {"rss": 0, "pss": 0}
+    at_peak: dict[str, dict[str, float]] = {"rss": {}, "pss": {}}
     done = threading.Event()
 
     def sample() -> None:
         root = psutil.Process(proc.pid)
+        count = 0
         while not done.is_set():
+            kinds = ("rss", "pss") if count % 5 == 0 else ("rss",)
+            count += 1
             try:
                 tree = [root, *root.children(recursive=True)]
-                total, parts = 0, {}
+                totals, parts = {kind: 0 for kind in kinds}, {kind: {} for kind in kinds}
                 for p in tree:
                     try:
-                        rss = p.memory_info().rss
                         name = (p.cmdline() or [p.name()])[0].split("/")[-1][:40]
+                        values = {"rss": p.memory_info().rss}
                     except psutil.Error:
                         continue
-                    total += rss
-                    parts[name] = parts.get(name, 0) + rss
-                if total > peak[0]:
-                    peak[0] = total
-                    at_peak.clear()
-                    at_peak.update({k: round(v / 2**30, 2) for k, v in parts.items() if v > 2**27})
+                    if "pss" in kinds:
+                        with contextlib.suppress(psutil.Error):
+                            values["pss"] = p.memory_full_info().pss
+                    for kind, value in values.items():
+                        totals[kind] += value
+                        parts[kind][name] = parts[kind].get(name, 0) + value
+                for kind, total in totals.items():
+                    if total > peak[kind]:
+                        peak[kind] = total
+                        at_peak[kind] = {k: round(v / 2**30, 2) for k, v in parts[kind].items() if v > 2**27}
             except psutil.Error:
                 pass
             done.wait(0.2)
@@ -232,8 +248,10 @@ def run_side(command: list[str], env: dict[str, str]) -> tuple[subprocess.Comple
     stdout, stderr = proc.communicate()
     done.set()
     thread.join()
-    print(f"peak resident memory by process (GiB): {json.dumps(at_peak)}", file=sys.stderr, flush=True)
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), peak[0] / 2**30
+    for kind in peak:
+        print(f"peak {kind} by process (GiB): {json.dumps(at_peak[kind])}", file=sys.stderr, flush=True)
+    completed = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    return completed, peak["rss"] / 2**30, peak["pss"] / 2**30
 
 
 def main() -> None:
@@ -263,11 +281,14 @@ def main() -> None:
         command += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
         command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr), "--remat", args.remat]
         command += ["--precision", args.precision]
-        out, peak_gib = run_side(command, env)
+        out, peak_gib, peak_pss_gib = run_side(command, env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not lines:
             raise SystemExit(f"{side} failed (exit {out.returncode}, peak {peak_gib:.1f} GiB):\n{out.stderr[-4000:]}")
-        results[side] = json.loads(lines[-1].removeprefix("RESULT ")) | {"peak_rss_gib": peak_gib}
+        results[side] = json.loads(lines[-1].removeprefix("RESULT ")) | {
+            "peak_rss_gib": peak_gib,
+            "peak_pss_gib": peak_pss_gib,
+        }
         print(json.dumps(results[side]), flush=True)
     if len(results) == 2:
         ratio = results["trl"]["seconds_per_step"] / results["ours"]["seconds_per_step"]
@@ -280,6 +301,8 @@ def main() -> None:
                     "speedup_vs_trl": ratio,
                     "ours_peak_rss_gib": results["ours"]["peak_rss_gib"],
                     "trl_peak_rss_gib": results["trl"]["peak_rss_gib"],
+                    "ours_peak_pss_gib": results["ours"]["peak_pss_gib"],
+                    "trl_peak_pss_gib": results["trl"]["peak_pss_gib"],
                 }
             ),
             flush=True,

@@ -8,6 +8,8 @@ limit. Three sides train SmolLM2-135M's architecture (random weights, float32, o
   with the config's defaults: micro-batches sized by memory (`train.micro_batch_tokens`, here fixed to
   `--micro-tokens` so both RL sides hold the same micro-batches) and `train.pack_sequences=True`;
 * `rl_unpacked`: the same with `train.pack_sequences=False` (every row padded to the widest the config allows);
+* `rl_dense`: `rl_packed` with attention over the whole of each row (`models.SegmentBounds.pays` patched to
+  False), where the trainer runs it in blocks (`models.block_attention`): what the blocks save;
 * `plain`: an SFT train step (next-token cross-entropy on the completion tokens) on the same samples packed
   densely, micro-batches of the same token slots: what a forward+backward pass over these tokens costs.
 
@@ -17,17 +19,20 @@ Each reports real tokens (prompt + completion of every sample) per second of its
 Usage:
     python benchmarks/bench_rl_update.py --max-new-tokens 64 --steps 4
     python benchmarks/bench_rl_update.py --max-new-tokens 128 --steps 4
+    python benchmarks/bench_rl_update.py --max-new-tokens 128 --sides rl_packed,rl_dense   # what the blocks save
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from unittest import mock
 
 from feynrl_jax.host_memory import reexec_with_huge_pages
 
@@ -43,6 +48,13 @@ from bench_lora import SMOLLM2_135M  # noqa: E402
 from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts  # noqa: E402
 
 PROMPT_WIDTH = 64
+SIDES = ("rl_packed", "rl_dense", "rl_unpacked", "plain")
+RATIOS = {
+    "ratio_packed_vs_plain": ("rl_packed", "plain"),
+    "ratio_unpacked_vs_plain": ("rl_unpacked", "plain"),
+    "speedup_packed_vs_unpacked": ("rl_packed", "rl_unpacked"),
+    "speedup_blocks_vs_dense": ("rl_packed", "rl_dense"),
+}
 
 
 def make_rollouts(args, seed: int) -> Rollouts:
@@ -72,11 +84,11 @@ def real_tokens(rollouts: Rollouts) -> int:
     return int(rollouts.prompt_lengths.sum() + rollouts.completion_mask.sum())
 
 
-def rl_config(args, workdir: str, pack: bool):
+def rl_config(args, workdir: str, pack: bool, name: str):
     import tiny_rl
 
     config = tiny_rl.get_config("grpo")
-    config.run_dir = os.path.join(workdir, "packed" if pack else "unpacked")
+    config.run_dir = os.path.join(workdir, name)
     for key, value in SMOLLM2_135M.items():
         if key != "rope_theta":
             config.model.arch[key] = value
@@ -97,10 +109,19 @@ def rl_config(args, workdir: str, pack: bool):
     return config
 
 
-def run_rl(args, workdir: str, pack: bool) -> dict:
+def run_rl(args, workdir: str, pack: bool, blocks: bool = True) -> dict:
+    """One RL side; `blocks=False` forces dense attention on every row."""
+    from feynrl_jax.models import SegmentBounds
     from feynrl_jax.train.rl_trainer import RLTrainer
 
-    trainer = RLTrainer(rl_config(args, workdir, pack))
+    name = ("packed" if pack else "unpacked") + ("" if blocks else "_dense")
+    with contextlib.ExitStack() as stack:
+        if not blocks:
+            stack.enter_context(mock.patch.object(SegmentBounds, "pays", lambda *_: False))
+        return _train_rl(args, RLTrainer(rl_config(args, workdir, pack, name)))
+
+
+def _train_rl(args, trainer) -> dict:
     trainer.start()
     seconds, tokens, records = [], [], []
     for step in range(args.steps):
@@ -182,23 +203,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     parser.add_argument("--remat", choices=("auto", "none", "full", "dots"), default="auto", help="model.remat")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {SIDES} (rl_packed always)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    sides = set(args.sides.split(",")) | {"rl_packed"}
+    if sides - set(SIDES):
+        parser.error(f"--sides: unknown {sorted(sides - set(SIDES))}; expected some of {SIDES}")
     workdir = tempfile.mkdtemp(prefix="bench_rl_update_")
-    packed = run_rl(args, workdir, pack=True)
-    unpacked = run_rl(args, workdir, pack=False)
-    plain = run_plain(args)
+    runs = {
+        "rl_packed": lambda: run_rl(args, workdir, pack=True),
+        "rl_dense": lambda: run_rl(args, workdir, pack=True, blocks=False),
+        "rl_unpacked": lambda: run_rl(args, workdir, pack=False),
+        "plain": lambda: run_plain(args),
+    }
     result = {
-        "model": "SmolLM2-135M architecture (random weights), float32, one CPU device",
+        "model": f"SmolLM2-135M architecture (random weights, float32), {args.precision} compute, one CPU device",
         "cpu": os.popen("lscpu | grep 'Model name' | cut -d: -f2").read().strip(),
         "settings": vars(args),
-        "rl_packed": packed,
-        "rl_unpacked": unpacked,
-        "plain": plain,
-        "ratio_packed_vs_plain": packed["tokens_per_second"] / plain["tokens_per_second"],
-        "ratio_unpacked_vs_plain": unpacked["tokens_per_second"] / plain["tokens_per_second"],
-        "speedup_packed_vs_unpacked": packed["tokens_per_second"] / unpacked["tokens_per_second"],
     }
+    result |= {side: run() for side, run in runs.items() if side in sides}
+    rate = {side: result[side]["tokens_per_second"] for side in SIDES if side in result}
+    for name, (a, b) in RATIOS.items():
+        if a in rate and b in rate:
+            result[name] = rate[a] / rate[b]
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

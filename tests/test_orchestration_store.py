@@ -1,5 +1,6 @@
 """The parameter store as a Ray actor: leaves are object references put by the writer; a reader always fetches one
-complete, checksum-verified version while new versions are published, and the store never holds more than two."""
+complete, checksum-verified version while new versions are published, and the store never holds more than two.
+Also in this Ray session: the OpenMP threads of an actor (`runtime.openmp_threads_from_cores`)."""
 
 import threading
 
@@ -89,3 +90,43 @@ def test_a_corrupted_version_is_refused_by_the_reader(ray_session):
         fetch_params(store)
     version, params = fetch_params(store, verify=False)
     assert version == 0 and params["embed"]["embedding"][0, 0] == 3
+
+
+@pytest.mark.ray
+def test_actors_give_openmp_their_cores_not_rays_one_thread(ray_session, monkeypatch):
+    """Ray sets OMP_NUM_THREADS=1 in an actor of fractional CPUs where the driver's environment leaves it unset;
+    `openmp_threads_from_cores` gives oneDNN's OpenMP the cores the actor may run on, or the driver's value."""
+    import os
+
+    import ray
+
+    from feynrl_jax.orchestration import runtime
+
+    assert os.environ[runtime.DRIVER_OMP_THREADS] == os.environ.get("OMP_NUM_THREADS", "")
+
+    @ray.remote(num_cpus=0.25)
+    class Probe:
+        def threads(self, driver: str | None) -> tuple[str, int, int]:
+            before = os.environ.get("OMP_NUM_THREADS", "")
+            if driver is not None:
+                os.environ[runtime.DRIVER_OMP_THREADS] = driver
+            return before, runtime.openmp_threads_from_cores(), len(os.sched_getaffinity(0))
+
+    probe = Probe.remote()
+    try:
+        before, threads, cores = ray.get(probe.threads.remote(None))
+        if "OMP_NUM_THREADS" not in os.environ:  # the driver left it unset: Ray's 1 becomes the actor's cores
+            assert before == "1" and threads == cores
+        assert ray.get(probe.threads.remote("3"))[1] == 3  # a driver's value is kept
+    finally:
+        ray.kill(probe)
+    cores = len(os.sched_getaffinity(0))
+    for driver, current, expected in [("", "1", cores), (None, "1", cores), (None, "3", 3), ("2,1", "1", 2)]:
+        if driver is None:
+            monkeypatch.delenv(
+                runtime.DRIVER_OMP_THREADS, raising=False
+            )  # Ray started by someone else: only Ray's 1 is replaced
+        else:
+            monkeypatch.setenv(runtime.DRIVER_OMP_THREADS, driver)
+        monkeypatch.setenv("OMP_NUM_THREADS", current)  # restored after the test
+        assert runtime.openmp_threads_from_cores() == expected, (driver, current)

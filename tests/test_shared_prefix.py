@@ -2,7 +2,8 @@
 
 The model's side (`feynrl_jax.models.segments`): masks, predecessors, log-probabilities, gradients and critic
 values in the shared layout equal those of one row per sample, on tiny random models with GQA, a sliding window
-and QK-norm: to rounding in float64, and in float32 each layout within float32 rounding of the float64 result.
+and QK-norm: to rounding in float64, and in float32 each layout within float32 rounding of the float64 result;
+the same with attention in blocks (`feynrl_jax.models.block_attention`) on rows long enough for them to pay.
 The trainer's side (`feynrl_jax.train.shared_prefix`): building the layout from rollouts, moving per-token arrays
 between layouts, bad input, and the cost model.
 """
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from feynrl_jax.models import ModelConfig, init_params, sequence_logprobs
+from feynrl_jax.models import ModelConfig, SegmentBounds, block_attention, init_params, sequence_logprobs
 from feynrl_jax.models import config as model_config
 from feynrl_jax.models.attention import packed_mask
 from feynrl_jax.models.segments import predecessor_index
@@ -174,21 +175,24 @@ def _assert_close(actual: dict, reference: dict, *, forward_tol: float, gradient
             )
 
 
-def _logprobs_and_gradients(config: ModelConfig, params, rollouts: Rollouts) -> tuple[dict, dict]:
-    """Log-probabilities, entropies and the gradient of `sum(weights * logprobs)`, in the row and shared layouts.
+def _logprobs_and_gradients(
+    config: ModelConfig, params, rollouts: Rollouts, completion_width: int = 12, segment_bounds=None
+) -> tuple[dict, dict]:
+    """Log-probabilities, entropies and the gradient of `sum(weights * logprobs)`, in the row and shared layouts
+    (the shared one with `segment_bounds`: attention in blocks where they pay).
 
     Returns:
         `(rows, shared)`, each `{"logprobs": [C], "entropy": [C], "gradient": {path: leaf}}` in the model's dtype,
         C the completion tokens in the same order (indexed directly: `SharedPrefixRows.unpack` returns float32).
     """
-    (tokens, positions, segments), shared, _ = _layouts(rollouts)
+    (tokens, positions, segments), shared, _ = _layouts(rollouts, completion_width=completion_width)
     weights = np.random.default_rng(1).normal(size=tokens.shape).astype(np.float32)
     valid = shared.sample_row >= 0
     row, column = shared.sample_row[valid], shared.sample_column[valid]
     mask = np.zeros_like(weights)
     mask[row, column] = 1.0
 
-    def objective(params, tokens, positions, segments, weights, first_column):
+    def objective(params, tokens, positions, segments, weights, first_column, bounds):
         lp, ent = sequence_logprobs(
             params,
             tokens,
@@ -197,10 +201,11 @@ def _logprobs_and_gradients(config: ModelConfig, params, rollouts: Rollouts) -> 
             segment_ids=segments,
             with_entropy=True,
             first_column=first_column,
+            segment_bounds=bounds,
         )
         return jnp.sum(lp * weights), (lp, ent)
 
-    grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=5, compiler_options=_FAST_COMPILE)
+    grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=(5, 6), compiler_options=_FAST_COMPILE)
 
     def outputs(lp, ent, gradient, at):
         leaves = jax.tree_util.tree_leaves_with_path(gradient)
@@ -210,11 +215,10 @@ def _logprobs_and_gradients(config: ModelConfig, params, rollouts: Rollouts) -> 
             "gradient": {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves},
         }
 
-    (_, (lp, ent)), g = grad(params, tokens, positions, segments, weights * mask, 1)
+    (_, (lp, ent)), g = grad(params, tokens, positions, segments, weights * mask, 1, None)
     rows = outputs(lp, ent, g, (row, column))
-    (_, (lp, ent)), g = grad(
-        params, shared.tokens, shared.positions, shared.segment_ids, shared.pack(weights), shared.prompt_width
-    )
+    shared_inputs = (shared.tokens, shared.positions, shared.segment_ids, shared.pack(weights))
+    (_, (lp, ent)), g = grad(params, *shared_inputs, shared.prompt_width, segment_bounds)
     return rows, outputs(lp, ent, g, valid)
 
 
@@ -230,22 +234,63 @@ def test_logprobs_and_gradients_equal_the_row_layout(name, monkeypatch):
         _assert_close(float32, rows64, forward_tol=FLOAT32_FORWARD_TOL, gradient_tol=FLOAT32_GRADIENT_TOL)
 
 
-def _critic_values(config: ModelConfig, params, rollouts: Rollouts) -> tuple[dict, dict]:
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_attention_in_blocks_equals_the_row_layout(name, monkeypatch):
+    """Groups of 12 in the shared layout with `SegmentBounds` (`models.block_attention`): rows of 54 columns run
+    attention in 7 blocks of 8 queries, each scoring 24 keys (its block, the one before, and its prompt when that
+    lies further back), and compute what one row per sample computes: same tolerances as the dense layout."""
+    config, params = CONFIGS[name], _params(CONFIGS[name])
+    bounds = SegmentBounds(segment=6, prefix=6)  # prompts of at most 6 tokens, completions of at most 4
+    assert bounds.pays(6 + 48, kv_share=0.5) and bounds.block == 8 and bounds.window == 8
+    built = []
+    structure = block_attention.block_structure
+    monkeypatch.setattr(block_attention, "block_structure", lambda *a: built.append(1) or structure(*a))
+    run = functools.partial(
+        _logprobs_and_gradients,
+        rollouts=_rollouts(prompt_lengths=(5, 3), group=12, max_new=4, seed=3),
+        completion_width=48,
+        segment_bounds=bounds,
+    )
+    rows64, shared64 = _in_float64(run, config, params, monkeypatch)
+    assert built, "the blocked path did not run"
+    assert np.abs(rows64["logprobs"]).sum() > 1.0
+    _assert_close(shared64, rows64, forward_tol=FLOAT64_TOL, gradient_tol=FLOAT64_TOL)
+    for float32 in run(config, params):
+        _assert_close(float32, rows64, forward_tol=FLOAT32_FORWARD_TOL, gradient_tol=FLOAT32_GRADIENT_TOL)
+
+
+def _critic_values(
+    config: ModelConfig, params, rollouts: Rollouts, completion_width: int = 12, segment_bounds=None
+) -> tuple[dict, dict]:
     """`(rows, shared)`, each `{"values": [C]}` on the completion tokens in the same order."""
-    (tokens, positions, segments), shared, _ = _layouts(rollouts)
+    (tokens, positions, segments), shared, _ = _layouts(rollouts, completion_width=completion_width)
     valid = shared.sample_row >= 0
-    values = jax.jit(functools.partial(critic_values, config=config), compiler_options=_FAST_COMPILE)
-    rows = values(params, tokens, positions, segments)
-    packed = values(params, shared.tokens, shared.positions, shared.segment_ids)
+    values = functools.partial(critic_values, config=config)
+    rows = jax.jit(values, compiler_options=_FAST_COMPILE)(params, tokens, positions, segments)
+    shared_values = jax.jit(functools.partial(values, segment_bounds=segment_bounds), compiler_options=_FAST_COMPILE)
+    packed = shared_values(params, shared.tokens, shared.positions, shared.segment_ids)
     at = (shared.sample_row[valid], shared.sample_column[valid])
     return {"values": np.asarray(rows)[at]}, {"values": np.asarray(packed)[valid]}
 
 
-def test_critic_values_equal_the_row_layout(monkeypatch):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_critic_values_equal_the_row_layout(blocked, monkeypatch):
+    """Dense, and in blocks (the groups of 12 of `test_attention_in_blocks_equals_the_row_layout`)."""
     params = init_critic_params(_params(TINY), TINY)
     params = {**params, "value_head": {"kernel": jnp.linspace(-1, 1, TINY.hidden_size), "bias": jnp.asarray(0.3)}}
     run = functools.partial(_critic_values, rollouts=_rollouts(seed=3))
+    if blocked:
+        run = functools.partial(
+            _critic_values,
+            rollouts=_rollouts(prompt_lengths=(5, 3), group=12, max_new=4, seed=3),
+            completion_width=48,
+            segment_bounds=SegmentBounds(segment=6, prefix=6),
+        )
+    built = []
+    structure = block_attention.block_structure
+    monkeypatch.setattr(block_attention, "block_structure", lambda *a: built.append(1) or structure(*a))
     rows64, shared64 = _in_float64(run, TINY, params, monkeypatch)
+    assert bool(built) == blocked
     assert np.abs(rows64["values"]).sum() > 1.0
     _assert_close(shared64, rows64, forward_tol=FLOAT64_TOL)
     for float32 in run(TINY, params):
@@ -310,7 +355,12 @@ def test_cost_model_prefers_sharing_short_completions_not_long_ones():
 # ---------------------------------------------------------------- the RL trainer in both layouts
 
 
-def _trainer_step(tmp_path, algo: str, mode: str, ppo_epochs: int):
+def _trainer_step(tmp_path, algo: str, mode: str, ppo_epochs: int, *, group: int = 2, narrow: bool = False):
+    """One `RLTrainer.train` step on fixed rollouts: `(metrics, host params)`.
+
+    8 prompts of `group` samples each; `narrow`: prompts of at most 8 tokens and completions of 4
+    (`data.max_prompt_len=8`, `rollout.max_new_tokens=4`), where the shared layout's rows run attention in blocks.
+    """
     import os
     import sys
 
@@ -325,15 +375,19 @@ def _trainer_step(tmp_path, algo: str, mode: str, ppo_epochs: int):
     config.train.mini_batches = 1
     config.train.ppo_epochs = ppo_epochs
     # 8 groups of 2: one group per fake CPU device in both layouts.
-    config.rollout.n_samples = 2
+    config.rollout.n_samples = group
+    config.train.global_batch_size = 8 * group
+    if narrow:
+        config.data.max_prompt_len, config.data.max_seq_len, config.rollout.max_new_tokens = 8, 12, 4
     config.train.micro_batch_size = 0
     config.checkpoint.every_steps = 0
     trainer = RLTrainer(config)
     trainer.start()
     assert trainer.shared_prefix == (mode == "on")
     vocab = trainer.model_config.vocab_size
-    rollouts = _rollouts(prompt_lengths=(30, 7, 19, 12, 3, 40, 22, 9), group=2, max_new=16, seed=5, vocab=vocab)
-    rewards = np.random.default_rng(0).integers(0, 2, 16).astype(np.float32)
+    lengths = (8, 7, 1, 5, 3, 8, 2, 6) if narrow else (30, 7, 19, 12, 3, 40, 22, 9)
+    rollouts = _rollouts(prompt_lengths=lengths, group=group, max_new=4 if narrow else 16, seed=5, vocab=vocab)
+    rewards = np.random.default_rng(0).integers(0, 2, 8 * group).astype(np.float32)
     metrics = trainer.train(rollouts, rewards, step=1, shuffle_seed=0)
     params = trainer.host_params()
     trainer.close()
@@ -341,13 +395,29 @@ def _trainer_step(tmp_path, algo: str, mode: str, ppo_epochs: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, ppo_epochs", [("grpo", 1), ("ppo", 1), ("cispo", 2)])
-def test_rl_trainer_step_is_the_same_in_both_layouts(tmp_path, algo, ppo_epochs):
+@pytest.mark.parametrize("algo, ppo_epochs, blocks", [("grpo", 1, False), ("ppo", 1, True), ("cispo", 2, True)])
+def test_rl_trainer_step_is_the_same_in_both_layouts(tmp_path, monkeypatch, algo, ppo_epochs, blocks):
     """One trainer step on the same rollouts, one row per sample vs one row per group: same losses, gradients,
-    metrics and updated params (one update: pi_old from the update's own pass; two: from a separate pass)."""
-    rows, rows_params = _trainer_step(tmp_path, algo, "off", ppo_epochs)
-    shared, shared_params = _trainer_step(tmp_path, algo, "on", ppo_epochs)
+    metrics and updated params (one update: pi_old from the update's own pass; two: from a separate pass).
+
+    `blocks`: groups of 8 behind prompts of at most 8 tokens (`_trainer_step(narrow=True)`). The trainer passes
+    its layout's `SegmentBounds` (segments of at most 8 columns, prefixes of 8) to every pass (PPO's critic and
+    the separate pi_old pass included), and the shared layout's 40-column rows run attention in 5 blocks."""
+    built = []
+    structure = block_attention.block_structure
+    monkeypatch.setattr(block_attention, "block_structure", lambda *a: built.append(a[2]) or structure(*a))
+    group = 8 if blocks else 2
+    rows, rows_params = _trainer_step(tmp_path, algo, "off", ppo_epochs, group=group, narrow=blocks)
+    assert not built  # one row per sample: dense
+    shared, shared_params = _trainer_step(tmp_path, algo, "on", ppo_epochs, group=group, narrow=blocks)
+    assert set(built) == ({SegmentBounds(segment=8, prefix=8)} if blocks else set())
     assert rows["train/shared_prefix"] == 0.0 and shared["train/shared_prefix"] == 1.0
+    assert "perf/train_tokens_per_second" in shared  # a time; only its presence is checked
+    _assert_same_step(rows, rows_params, shared, shared_params)
+
+
+def _assert_same_step(rows: dict, rows_params, shared: dict, shared_params) -> None:
+    """Two trainer steps agree: their losses, gradient norms, entropies and mismatch metrics, and the params."""
     for key in (
         "train/loss",
         "train/grad_norm",
@@ -355,10 +425,7 @@ def test_rl_trainer_step_is_the_same_in_both_layouts(tmp_path, algo, ppo_epochs)
         "rollout/logprob_mismatch_kl",
         "rollout/logprob_mismatch_max_abs",
         "train/advantage_abs_mean",
-        "perf/train_tokens_per_second",
     ):
-        if key == "perf/train_tokens_per_second":
-            continue  # a time; only its presence is checked
         np.testing.assert_allclose(shared[key], rows[key], rtol=1e-4, atol=1e-6, err_msg=key)
     assert rows["train/grad_norm"] > 0
     # Adam's first step moves each weight by about lr * sign(gradient): where a gradient is ~0, rounding can tip

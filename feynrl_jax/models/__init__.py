@@ -1,9 +1,11 @@
 """Decoder-only transformers (Llama, Qwen2, Qwen3, Mistral, SmolLM2) as pure JAX functions over a params dict.
 
 The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `forward`, `KVCache`, `init_cache`, `cache_dtype`, `logits`,
-`sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`.
+`sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`, `SegmentBounds` (blocked attention over
+packed rows of short segments).
 """
 
+from feynrl_jax.models.block_attention import SegmentBounds
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import (
     KVCache,
@@ -24,6 +26,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "Params",
+    "SegmentBounds",
     "as_param_dtype",
     "cache_dtype",
     "forward",

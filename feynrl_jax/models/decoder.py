@@ -37,7 +37,7 @@ from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 
 from feynrl_jax.kernels import onednn
-from feynrl_jax.models import lora, quant
+from feynrl_jax.models import block_attention, lora, quant
 from feynrl_jax.models.attention import attend, cache_mask, packed_mask, round_to, within_window
 from feynrl_jax.models.config import LORA_TARGETS, ModelConfig
 from feynrl_jax.models.rope import apply_rope, rope_cos_sin
@@ -314,6 +314,7 @@ def forward(
     remat: str | None = None,
     attend_len: int | None = None,
     dropout_rng: jax.Array | None = None,
+    segment_bounds: block_attention.SegmentBounds | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder up to and including the final norm.
 
@@ -343,6 +344,10 @@ def forward(
             None: the whole cache.
         dropout_rng: a PRNG key for LoRA dropout (`config.lora_dropout`; training passes only), or None: no
             dropout. Each layer and projection draws its own mask from it (`lora_dropout_keys`).
+        segment_bounds: static bounds that `segment_ids` and `positions` satisfy (`block_attention`), or None.
+            Without `cache`, attention then runs in blocks of queries where that scores fewer pairs than the
+            dense mask; real tokens get the same outputs (up to the order of float32 sums). Rows that break
+            the bounds get wrong outputs: check them on the host first (`SegmentBounds.check`).
 
     Returns:
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
@@ -362,9 +367,14 @@ def forward(
     x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype)
     cos, sin = rope_cos_sin(positions, config)
     batch_idx = jnp.arange(tokens.shape[0])[:, None]
+    blocks = None
     if cache is None:
         # The segment structure is the same in every layer: build it once, outside the layers.
-        row_mask = packed_mask(positions, segment_ids, None)
+        kv_share = config.num_kv_heads / config.num_heads
+        if segment_bounds is not None and segment_ids is not None and segment_bounds.pays(tokens.shape[1], kv_share):
+            blocks = block_attention.block_structure(positions, segment_ids, segment_bounds)
+        else:
+            row_mask = packed_mask(positions, segment_ids, None)
     else:
         # Padding tokens are "written" out of bounds and dropped.
         cache_len = cache.v[0].shape[-2]
@@ -398,6 +408,8 @@ def forward(
         return x, aux
 
     def packed_attention(q, k, v, window):
+        if blocks is not None:
+            return block_attention.attend_in_blocks(q, k, v, blocks, window), None
         mask = row_mask if window is None else row_mask & within_window(positions, window)
         return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask), None
 

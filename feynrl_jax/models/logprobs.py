@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from feynrl_jax.models.block_attention import SegmentBounds
 from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import Params, forward, logits
 from feynrl_jax.models.segments import predecessor_index
@@ -101,6 +102,7 @@ def sequence_logprobs(
     remat: str | None = None,
     first_column: int = 1,
     dropout_rng: jax.Array | None = None,
+    segment_bounds: SegmentBounds | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probabilities of `tokens` under the model, aligned with `tokens`.
 
@@ -123,12 +125,20 @@ def sequence_logprobs(
         first_column: static; no token before this column is scored (an RL batch whose completions all start
             at or after a known column skips the output projection over its prompts).
         dropout_rng: `forward`'s LoRA dropout key (training passes), or None.
+        segment_bounds: `forward`'s static bounds on the rows' segments (blocked attention), or None.
 
     Returns:
         `(logprobs [B, T] f32, entropy [B, T] f32 or None)`.
     """
     hidden, _ = forward(
-        params, tokens, positions, config=config, segment_ids=segment_ids, remat=remat, dropout_rng=dropout_rng
+        params,
+        tokens,
+        positions,
+        config=config,
+        segment_ids=segment_ids,
+        remat=remat,
+        dropout_rng=dropout_rng,
+        segment_bounds=segment_bounds,
     )
     b, t = tokens.shape
     start = max(1, first_column)

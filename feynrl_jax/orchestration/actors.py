@@ -35,7 +35,7 @@ from feynrl_jax.orchestration.param_store import (
     flatten_params,
     unflatten_params,
 )
-from feynrl_jax.orchestration.runtime import pin_cpu_cores
+from feynrl_jax.orchestration.runtime import openmp_threads_from_cores, pin_cpu_cores
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,8 @@ class RolloutWorker:
         self.engine_lock = threading.Lock()  # one generation or load at a time (an evaluation may call meanwhile)
         with kept_until_ready(self):
             pin_cpu_cores(cpu_cores)
+            if spec.kind == "native":  # a vLLM engine keeps its own thread settings
+                openmp_threads_from_cores()
             from feynrl_jax.checkpoints import load_tokenizer
 
             self.tokenizer = load_tokenizer(tokenizer_dir)
@@ -439,6 +441,7 @@ class TrainerActor:
     def _build(self) -> None:
         with kept_until_ready(self):
             pin_cpu_cores(self.config.train.cpu_cores)
+            openmp_threads_from_cores()
             from feynrl_jax.train.rl_trainer import RLTrainer
 
             self.trainer = RLTrainer(self.config)

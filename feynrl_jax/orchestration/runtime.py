@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 ACTOR_CPUS = {"trainer": 0.5, "rollout": 0.25, "reward": 0.1, "store": 0.05}
 """Logical CPUs each actor reserves (scheduling only; JAX and the reward pool use what the OS gives them)."""
 
+DRIVER_OMP_THREADS = "FEYNRL_DRIVER_OMP_NUM_THREADS"
+"""Carries the driver's `OMP_NUM_THREADS` ("" when unset) to the actors (`openmp_threads_from_cores`)."""
+
 
 def start_ray(ray_cfg: ConfigDict) -> bool:
     """Starts or connects to Ray as `config.ray` says; a no-op when this process is already connected.
@@ -39,15 +42,12 @@ def start_ray(ray_cfg: ConfigDict) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ[DRIVER_OMP_THREADS] = os.environ.get("OMP_NUM_THREADS", "")
     if ray_cfg.address:
         log.info("connecting to the Ray cluster at %s", ray_cfg.address)
         # The cluster's workers do not inherit this process's environment: ask for huge pages explicitly.
-        env_vars = host_memory.huge_pages_env({})
-        ray.init(
-            address=ray_cfg.address,
-            log_to_driver=ray_cfg.log_to_driver,
-            runtime_env={"env_vars": env_vars} if env_vars else None,
-        )
+        env_vars = host_memory.huge_pages_env({}) | {DRIVER_OMP_THREADS: os.environ[DRIVER_OMP_THREADS]}
+        ray.init(address=ray_cfg.address, log_to_driver=ray_cfg.log_to_driver, runtime_env={"env_vars": env_vars})
         return True
     num_cpus = ray_cfg.num_cpus or os.cpu_count() or 1
     listen_on_loopback_only()
@@ -88,6 +88,31 @@ def stop_ray() -> None:
     """Disconnects this process from Ray (and stops the local instance it started)."""
     if ray.is_initialized():
         ray.shutdown()
+    os.environ.pop(DRIVER_OMP_THREADS, None)
+
+
+def openmp_threads_from_cores() -> int:
+    """Gives OpenMP the cores this process may run on, as XLA's CPU thread pool has them; call it before the
+    oneDNN kernel loads (`feynrl_jax.kernels.onednn`: its bfloat16 products run on OpenMP threads).
+
+    Ray sets `OMP_NUM_THREADS` in an actor to the actor's whole logical CPUs when the environment leaves it
+    unset: 1 for every fractional `ACTOR_CPUS` here. A bfloat16 trainer or rollout worker then ran its products
+    on one core while XLA ran the rest on all of them (on 2 cores: a GRPO step's rollout 14.3 s where the same
+    engine outside Ray took 11.4 s). The value of the driver's environment is kept where the driver started Ray
+    or connected to it (`start_ray` writes it to `DRIVER_OMP_THREADS`, "" when unset). Where it did not (a Ray
+    started elsewhere), only Ray's default of 1 is replaced. An actor pinned by `pin_cpu_cores` gets its pinned
+    cores.
+
+    Returns:
+        The threads OpenMP will start with (the first level of a nested `OMP_NUM_THREADS` list).
+    """
+    driver = os.environ.get(DRIVER_OMP_THREADS)
+    current = os.environ.get("OMP_NUM_THREADS", "")
+    if driver:
+        os.environ["OMP_NUM_THREADS"] = driver
+    elif driver == "" or current in ("", "1"):
+        os.environ["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+    return int(os.environ["OMP_NUM_THREADS"].split(",")[0])
 
 
 def pin_cpu_cores(cores: Sequence[int]) -> None:

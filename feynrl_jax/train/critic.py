@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from feynrl_jax.losses import LossSum, TrainBatch, aggregation
 from feynrl_jax.losses import metrics as metrics_lib
 from feynrl_jax.losses.value import clipped_value_error
-from feynrl_jax.models import ModelConfig, forward, init_params, logical_axes, predecessor_hidden
+from feynrl_jax.models import ModelConfig, SegmentBounds, forward, init_params, logical_axes, predecessor_hidden
 from feynrl_jax.sharding.rules import Rules
 from feynrl_jax.train.step import ParamsSpec, TrainStep, make_train_step
 
@@ -89,6 +89,7 @@ def critic_values(
     *,
     config: ModelConfig,
     remat: str | None = None,
+    segment_bounds: SegmentBounds | None = None,
 ) -> jax.Array:
     """Per-token values ``[B, T]`` f32, aligned like log-probabilities (``values[:, t] = V(tokens[:, :t])``).
 
@@ -99,8 +100,18 @@ def critic_values(
         segment_ids: ``[B, T]`` int32 (0 = padding).
         config: the backbone's model config.
         remat: rematerialisation policy of the backbone (None: ``config.remat``).
+        segment_bounds: static bounds on the rows' segments (``models.SegmentBounds``: attention in blocks), or
+            None.
     """
-    hidden, _ = forward(params["backbone"], tokens, positions, config=config, segment_ids=segment_ids, remat=remat)
+    hidden, _ = forward(
+        params["backbone"],
+        tokens,
+        positions,
+        config=config,
+        segment_ids=segment_ids,
+        remat=remat,
+        segment_bounds=segment_bounds,
+    )
     head = params["value_head"]
     # The state before token t is the one that predicts it (a shared-prefix continuation's first token: its
     # prefix's last state); the first token of an ordinary segment has none inside its segment.
@@ -153,6 +164,7 @@ def make_critic_train_step(
     grad_accum: int,
     remat: str | None = None,
     params_spec: ParamsSpec | None = None,
+    segment_bounds: SegmentBounds | None = None,
 ) -> TrainStep:
     """The critic's jitted train step (``make_train_step`` with values in place of log-probabilities).
 
@@ -168,13 +180,23 @@ def make_critic_train_step(
         params_spec: the state's params (None: ``critic_params_spec(config)``; float32 master weights:
             ``critic_params_spec(config).with_master_dtype("float32")``; the backbone is rounded to
             ``config.param_dtype`` in ``forward``).
+        segment_bounds: static bounds on the batches' segments (``models.SegmentBounds``), or None.
 
     Returns:
         A ``TrainStep`` over the critic params; ``step.init_state(init_critic_params(...))`` starts it.
     """
 
     def predict(params: Any, batch: TrainBatch) -> tuple[jax.Array, None]:
-        return critic_values(params, batch.tokens, batch.positions, batch.segment_ids, config=config, remat=remat), None
+        values = critic_values(
+            params,
+            batch.tokens,
+            batch.positions,
+            batch.segment_ids,
+            config=config,
+            remat=remat,
+            segment_bounds=segment_bounds,
+        )
+        return values, None
 
     return make_train_step(
         functools.partial(value_loss, value_clip=value_clip, vf_coef=vf_coef),

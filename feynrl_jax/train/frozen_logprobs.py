@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from feynrl_jax.models import ModelConfig, init_params, logical_axes, sequence_logprobs
+from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, logical_axes, sequence_logprobs
 from feynrl_jax.sharding import batch_size_multiple, param_shardings, replicated
 from feynrl_jax.sharding.rules import Rules, batch_pspec
 from feynrl_jax.train.microbatch import check_divisible, merge_microbatches, split_microbatches
@@ -33,6 +33,7 @@ def make_logprob_fn(
     with_entropy: bool = False,
     seq_chunk_size: int = 256,
     first_column: int = 1,
+    segment_bounds: SegmentBounds | None = None,
     compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
     """Builds ``fn(params, tokens, positions, segment_ids) -> (logprobs [B, T] f32, entropy [B, T] f32 | None)``.
@@ -46,6 +47,7 @@ def make_logprob_fn(
         with_entropy: also return the entropy.
         seq_chunk_size: sequence chunk of the output projection.
         first_column: no token before this column is scored (the shared-prefix layout's prompt width).
+        segment_bounds: static bounds on the rows' segments (``models.SegmentBounds``), or None.
         compiler_options: XLA options for the program (see ``make_train_step``).
 
     Returns:
@@ -70,6 +72,7 @@ def make_logprob_fn(
             with_entropy=with_entropy,
             chunk_size=seq_chunk_size,
             first_column=first_column,
+            segment_bounds=segment_bounds,
         )
         return lp, (ent if with_entropy else jnp.zeros((), jnp.float32))
 

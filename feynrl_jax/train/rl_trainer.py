@@ -60,7 +60,7 @@ from feynrl_jax.config.errors import ConfigError
 from feynrl_jax.losses import Algorithm, TrainBatch, compute_metrics, get_algorithm
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
-from feynrl_jax.models import ModelConfig, as_param_dtype, lora, quant
+from feynrl_jax.models import ModelConfig, SegmentBounds, as_param_dtype, lora, quant
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
 from feynrl_jax.sharding import batch_size_multiple, host_tree, mesh_shape
 from feynrl_jax.train import run_setup, token_budget
@@ -143,6 +143,7 @@ class RLSettings:
         seq_len: `data.max_seq_len`, the row width of the row layout.
         prompt_width: `data.max_prompt_len`.
         group_size: `rollout.n_samples`.
+        max_new_tokens: `rollout.max_new_tokens`, the longest completion.
         completion_width: a group's completions at most (`n_samples * max_new_tokens`).
         shared_prefix: `train.shared_prefix` ("auto", "on", "off").
         micro_batch_size, micro_batch_tokens: `train.micro_batch_size` and `train.micro_batch_tokens` (the trainer
@@ -169,6 +170,7 @@ class RLSettings:
     seq_len: int
     prompt_width: int
     group_size: int
+    max_new_tokens: int
     completion_width: int
     shared_prefix: str
     micro_batch_size: int
@@ -205,6 +207,7 @@ def rl_settings(config: ConfigDict) -> RLSettings:
         seq_len=config.data.max_seq_len,
         prompt_width=config.data.max_prompt_len,
         group_size=rollout.n_samples,
+        max_new_tokens=rollout.max_new_tokens,
         completion_width=rollout.n_samples * rollout.max_new_tokens,
         shared_prefix=train.shared_prefix,
         micro_batch_size=train.micro_batch_size,
@@ -413,6 +416,14 @@ class RLTrainer:
         )
         self.plan = self.micro_choice.plan
         self.shared_prefix = self._choose_shared_prefix()
+        # What a training row's segments can span: attention runs in blocks where that is cheaper than the dense
+        # mask (`models.block_attention`): the shared-prefix layout's long rows of short segments.
+        if self.shared_prefix:
+            self.segment_bounds = SegmentBounds(
+                segment=max(settings.prompt_width, settings.max_new_tokens), prefix=settings.prompt_width
+            )
+        else:
+            self.segment_bounds = SegmentBounds(segment=settings.seq_len, prefix=0)
         # Packing moves completions off the columns they have in the unpacked layout, so the update's output
         # projection runs from column 1 (the no-grad passes, unpacked, still skip the prompts).
         self.pack = settings.pack_sequences and self.plan.grad_accum_steps > 1
@@ -430,6 +441,7 @@ class RLTrainer:
             temperature=settings.temperature,
             first_column=1 if self.pack else first_column,
             with_entropy=self.algorithm.uses_entropy or not settings.separate_old_pass,
+            segment_bounds=self.segment_bounds,
         )
         self.train_step = make_train_step(
             loss,
@@ -443,7 +455,11 @@ class RLTrainer:
             rng_seed=run_setup.dropout_seed(config, self.model_config),
         )
         logprob_settings = dict(
-            chunk_rows=chunk_rows, temperature=settings.temperature, with_entropy=True, first_column=first_column
+            chunk_rows=chunk_rows,
+            temperature=settings.temperature,
+            with_entropy=True,
+            first_column=first_column,
+            segment_bounds=self.segment_bounds,
         )
         self.logprobs = make_logprob_fn(self.model_config, self.mesh, self.rules, **logprob_settings)
         # A LoRA run's reference has no adapters (its base, or another model folder): the base model's program
@@ -470,8 +486,11 @@ class RLTrainer:
                 vf_coef=settings.vf_coef,
                 grad_accum=self.plan.grad_accum_steps,
                 params_spec=critic_params_spec(critic_config).with_master_dtype(config.model.master_dtype or None),
+                segment_bounds=self.segment_bounds,
             )
-            self._values = jax.jit(functools.partial(critic_values, config=critic_config))
+            self._values = jax.jit(
+                functools.partial(critic_values, config=critic_config, segment_bounds=self.segment_bounds)
+            )
         self.guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite)
         self.critic_guard = NonFiniteGuard(config.optim.max_consecutive_nonfinite, model="critic")
         self.checkpointer = TrainCheckpointer(
@@ -654,6 +673,7 @@ class RLTrainer:
                 pad_id=self.pad_id,
             )
         source = shared if shared is not None else rows
+        self.segment_bounds.check(source.positions, source.segment_ids)
         inputs = tuple(self.train_step.place_batch(x) for x in (source.tokens, source.positions, source.segment_ids))
         return Layout(rows=rows, shared=shared, inputs=inputs)
 
@@ -688,6 +708,7 @@ class RLTrainer:
                 mini = _rows(batch, perm[m * size : (m + 1) * size])
                 if self.pack:
                     mini, stats = pack_units(mini, num_micro=self.plan.grad_accum_steps, pad_id=self.pad_id)
+                    self.segment_bounds.check(mini.positions, mini.segment_ids)
                     packing.append(stats)
                 mini = self.train_step.place_batch(mini)
                 self.state, update_metrics = self.train_step(self.state, mini)

@@ -27,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from feynrl_jax.models import ModelConfig
+from feynrl_jax.models import ModelConfig, SegmentBounds
 from feynrl_jax.rollout.types import Rollouts
 
 
@@ -147,8 +147,9 @@ def cheaper_than_rows(
     """Whether a group's forward and backward cost fewer FLOPs in the shared layout than as `group_size` rows.
 
     Per token: two FLOPs per weight of the layers and the output projection (forward; the backward scales both
-    sides alike). Attention: `4 * L * H * Dh` FLOPs per (query, key) pair of a row, counted over the whole
-    square as the masked kernels compute it.
+    sides alike). Attention: `4 * L * H * Dh` FLOPs per (query, key) pair that the kernels compute: the whole
+    square of a row, or the blocks of `models.block_attention` where those are fewer (the shared row's segments
+    span at most `max(prompt_width, completion_width / group_size)` columns).
     """
     c = config
     per_token = 2 * (
@@ -163,5 +164,7 @@ def cheaper_than_rows(
     per_pair = 4 * c.num_layers * c.num_heads * c.head_dim
     rows = group_size * (seq_len * per_token + seq_len**2 * per_pair)
     shared_len = prompt_width + completion_width
-    shared = shared_len * per_token + shared_len**2 * per_pair
+    bounds = SegmentBounds(segment=max(prompt_width, completion_width // group_size), prefix=prompt_width)
+    pairs = min(shared_len**2, bounds.blocked_pairs(shared_len, c.num_kv_heads / c.num_heads))
+    shared = shared_len * per_token + pairs * per_pair
     return shared < rows

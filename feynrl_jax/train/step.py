@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics
 from feynrl_jax.losses.metrics import Metric, last_metric, scalar_metric
-from feynrl_jax.models import ModelConfig, init_params, logical_axes, lora, sequence_logprobs
+from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, logical_axes, lora, sequence_logprobs
 from feynrl_jax.sharding import (
     batch_size_multiple,
     optimizer_state_shardings,
@@ -136,6 +136,7 @@ def model_logprob_fn(
     remat: str | None = None,
     first_column: int = 1,
     with_entropy: bool = False,
+    segment_bounds: SegmentBounds | None = None,
 ) -> Predict:
     """The policy's log-probabilities of ``batch.tokens`` under ``config``'s model (contract alignment).
 
@@ -147,6 +148,8 @@ def model_logprob_fn(
         first_column: no token before this column is scored (the shared-prefix layout's prompt width).
         with_entropy: also return the entropy of each predictive distribution (else None); the step then passes
             it to the loss as ``entropy=``.
+        segment_bounds: static bounds on the batches' segments (``models.SegmentBounds``: attention in blocks
+            where that is cheaper), or None.
 
     Returns:
         A ``Predict``: ``(params, batch, rng=None) -> (logprobs [B, T] f32, entropy [B, T] f32 or None)``; ``rng``
@@ -166,6 +169,7 @@ def model_logprob_fn(
             remat=remat,
             first_column=first_column,
             dropout_rng=rng,
+            segment_bounds=segment_bounds,
         )
 
     return predict
