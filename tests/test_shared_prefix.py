@@ -137,6 +137,15 @@ FLOAT32_GRADIENT_TOL = 1024 * FLOAT32_EPS
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
+@pytest.fixture
+def blocks_built(monkeypatch) -> list:
+    """The `SegmentBounds` of every `block_attention.block_structure` traced during the test (attention in blocks)."""
+    built = []
+    structure = block_attention.block_structure
+    monkeypatch.setattr(block_attention, "block_structure", lambda *a: built.append(a[2]) or structure(*a))
+    return built
+
+
 def _in_float64(run, config: ModelConfig, params, monkeypatch):
     """`run(config, params)` with the same weights and every float of the model in float64.
 
@@ -235,16 +244,13 @@ def test_logprobs_and_gradients_equal_the_row_layout(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_attention_in_blocks_equals_the_row_layout(name, monkeypatch):
+def test_attention_in_blocks_equals_the_row_layout(name, monkeypatch, blocks_built):
     """Groups of 12 in the shared layout with `SegmentBounds` (`models.block_attention`): rows of 54 columns run
     attention in 7 blocks of 8 queries, each scoring 24 keys (its block, the one before, and its prompt when that
     lies further back), and compute what one row per sample computes: same tolerances as the dense layout."""
     config, params = CONFIGS[name], _params(CONFIGS[name])
     bounds = SegmentBounds(segment=6, prefix=6)  # prompts of at most 6 tokens, completions of at most 4
     assert bounds.pays(6 + 48, kv_share=0.5) and bounds.block == 8 and bounds.window == 8
-    built = []
-    structure = block_attention.block_structure
-    monkeypatch.setattr(block_attention, "block_structure", lambda *a: built.append(1) or structure(*a))
     run = functools.partial(
         _logprobs_and_gradients,
         rollouts=_rollouts(prompt_lengths=(5, 3), group=12, max_new=4, seed=3),
@@ -252,7 +258,7 @@ def test_attention_in_blocks_equals_the_row_layout(name, monkeypatch):
         segment_bounds=bounds,
     )
     rows64, shared64 = _in_float64(run, config, params, monkeypatch)
-    assert built, "the blocked path did not run"
+    assert blocks_built, "the blocked path did not run"
     assert np.abs(rows64["logprobs"]).sum() > 1.0
     _assert_close(shared64, rows64, forward_tol=FLOAT64_TOL, gradient_tol=FLOAT64_TOL)
     for float32 in run(config, params):
@@ -274,7 +280,7 @@ def _critic_values(
 
 
 @pytest.mark.parametrize("blocked", [False, True])
-def test_critic_values_equal_the_row_layout(blocked, monkeypatch):
+def test_critic_values_equal_the_row_layout(blocked, monkeypatch, blocks_built):
     """Dense, and in blocks (the groups of 12 of `test_attention_in_blocks_equals_the_row_layout`)."""
     params = init_critic_params(_params(TINY), TINY)
     params = {**params, "value_head": {"kernel": jnp.linspace(-1, 1, TINY.hidden_size), "bias": jnp.asarray(0.3)}}
@@ -286,11 +292,8 @@ def test_critic_values_equal_the_row_layout(blocked, monkeypatch):
             completion_width=48,
             segment_bounds=SegmentBounds(segment=6, prefix=6),
         )
-    built = []
-    structure = block_attention.block_structure
-    monkeypatch.setattr(block_attention, "block_structure", lambda *a: built.append(1) or structure(*a))
     rows64, shared64 = _in_float64(run, TINY, params, monkeypatch)
-    assert bool(built) == blocked
+    assert bool(blocks_built) == blocked
     assert np.abs(rows64["values"]).sum() > 1.0
     _assert_close(shared64, rows64, forward_tol=FLOAT64_TOL)
     for float32 in run(TINY, params):
@@ -396,21 +399,18 @@ def _trainer_step(tmp_path, algo: str, mode: str, ppo_epochs: int, *, group: int
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo, ppo_epochs, blocks", [("grpo", 1, False), ("ppo", 1, True), ("cispo", 2, True)])
-def test_rl_trainer_step_is_the_same_in_both_layouts(tmp_path, monkeypatch, algo, ppo_epochs, blocks):
+def test_rl_trainer_step_is_the_same_in_both_layouts(tmp_path, blocks_built, algo, ppo_epochs, blocks):
     """One trainer step on the same rollouts, one row per sample vs one row per group: same losses, gradients,
     metrics and updated params (one update: pi_old from the update's own pass; two: from a separate pass).
 
     `blocks`: groups of 8 behind prompts of at most 8 tokens (`_trainer_step(narrow=True)`). The trainer passes
     its layout's `SegmentBounds` (segments of at most 8 columns, prefixes of 8) to every pass (PPO's critic and
     the separate pi_old pass included), and the shared layout's 40-column rows run attention in 5 blocks."""
-    built = []
-    structure = block_attention.block_structure
-    monkeypatch.setattr(block_attention, "block_structure", lambda *a: built.append(a[2]) or structure(*a))
     group = 8 if blocks else 2
     rows, rows_params = _trainer_step(tmp_path, algo, "off", ppo_epochs, group=group, narrow=blocks)
-    assert not built  # one row per sample: dense
+    assert not blocks_built  # one row per sample: dense
     shared, shared_params = _trainer_step(tmp_path, algo, "on", ppo_epochs, group=group, narrow=blocks)
-    assert set(built) == ({SegmentBounds(segment=8, prefix=8)} if blocks else set())
+    assert set(blocks_built) == ({SegmentBounds(segment=8, prefix=8)} if blocks else set())
     assert rows["train/shared_prefix"] == 0.0 and shared["train/shared_prefix"] == 1.0
     assert "perf/train_tokens_per_second" in shared  # a time; only its presence is checked
     _assert_same_step(rows, rows_params, shared, shared_params)

@@ -45,9 +45,11 @@ def packed_mask(positions: jnp.ndarray, segment_ids: jnp.ndarray | None, window:
     return mask
 
 
-def within_window(positions: jnp.ndarray, window: jnp.ndarray) -> jnp.ndarray:
-    """`[B, T, T]` bool: key `s` is less than `window` positions behind query `t` (sliding-window attention)."""
-    return (positions[:, :, None] - positions[:, None, :]) < window
+def within_window(positions: jnp.ndarray, window: jnp.ndarray, key_positions: jnp.ndarray | None = None) -> jnp.ndarray:
+    """`[B, T, S]` bool: key `s` is less than `window` positions behind query `t` (sliding-window attention); the
+    keys are the queries (`S = T`) unless `key_positions [B, S]` are given."""
+    keys = positions if key_positions is None else key_positions
+    return (positions[:, :, None] - keys[:, None, :]) < window
 
 
 def cache_mask(positions: jnp.ndarray, cache_len: int, window: jnp.ndarray | None) -> jnp.ndarray:

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from feynrl_jax.models.attention import attend
+from feynrl_jax.models.attention import attend, within_window
 from feynrl_jax.models.segments import segment_layout
 
 _ALIGN = 8  # block sizes are rounded up to this many columns
@@ -288,7 +288,7 @@ def attend_in_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Blocks, w
     """
     mask = blocks.mask
     if window is not None:
-        mask = mask & ((blocks.query_positions[:, :, None] - blocks.key_positions[:, None, :]) < window)
+        mask = mask & within_window(blocks.query_positions, window, blocks.key_positions)
     keys, values = block_keys(k, blocks), block_keys(v, blocks)
     out = attend(block_queries(q, blocks), keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3), mask)
     return unblock(out, blocks, q.shape[0])

@@ -70,7 +70,7 @@ from feynrl_jax.train.loss_parts import logprob_diagnostic_metrics, old_logprobs
 from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
 from feynrl_jax.train.packed_units import pack_units
 from feynrl_jax.train.rl_batch import rollouts_to_batch, scatter_completion, sequence_reward_at_last_token
-from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_prefix_rows
+from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_bounds, shared_prefix_rows
 from feynrl_jax.train.state import TrainState
 from feynrl_jax.train.step import ParamsSpec, make_train_step, model_logprob_fn
 
@@ -419,9 +419,7 @@ class RLTrainer:
         # What a training row's segments can span: attention runs in blocks where that is cheaper than the dense
         # mask (`models.block_attention`): the shared-prefix layout's long rows of short segments.
         if self.shared_prefix:
-            self.segment_bounds = SegmentBounds(
-                segment=max(settings.prompt_width, settings.max_new_tokens), prefix=settings.prompt_width
-            )
+            self.segment_bounds = shared_bounds(settings.prompt_width, settings.max_new_tokens)
         else:
             self.segment_bounds = SegmentBounds(segment=settings.seq_len, prefix=0)
         # Packing moves completions off the columns they have in the unpacked layout, so the update's output

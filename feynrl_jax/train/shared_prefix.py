@@ -141,6 +141,12 @@ def shared_prefix_rows(
     )
 
 
+def shared_bounds(prompt_width: int, max_new_tokens: int) -> SegmentBounds:
+    """The `SegmentBounds` of the shared layout: prompts of at most `prompt_width` tokens (W), each seen whole by
+    its completions, and completions of at most `max_new_tokens`."""
+    return SegmentBounds(segment=max(prompt_width, max_new_tokens), prefix=prompt_width)
+
+
 def cheaper_than_rows(
     config: ModelConfig, *, group_size: int, seq_len: int, prompt_width: int, completion_width: int
 ) -> bool:
@@ -164,7 +170,7 @@ def cheaper_than_rows(
     per_pair = 4 * c.num_layers * c.num_heads * c.head_dim
     rows = group_size * (seq_len * per_token + seq_len**2 * per_pair)
     shared_len = prompt_width + completion_width
-    bounds = SegmentBounds(segment=max(prompt_width, completion_width // group_size), prefix=prompt_width)
+    bounds = shared_bounds(prompt_width, completion_width // group_size)
     pairs = min(shared_len**2, bounds.blocked_pairs(shared_len, c.num_kv_heads / c.num_heads))
     shared = shared_len * per_token + pairs * per_pair
     return shared < rows
