@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 TOKENIZER_MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+# Model types for which `AutoTokenizer` loads a folder whose `tokenizer_config.json` names `TokenizersBackend` as
+# that class itself (the model type's own class is not forced over the folder's; transformers 5.x). Such a folder
+# is loaded through the class directly: `transformers.AutoTokenizer` imports PyTorch where it is installed, 2-3 s
+# in every process that loads a tokenizer (each Ray actor of a run), and the class alone does not.
+# tests/test_tokenizer_loading.py checks that both give the same tokenizer.
+PLAIN_BACKEND_MODEL_TYPES = ("llama",)
+
+
+def loads_as_plain_backend(folder: str) -> bool:
+    """True where `AutoTokenizer` would load `folder` as `TokenizersBackend` itself: a `tokenizer.json`, a
+    `tokenizer_config.json` naming that class and no remote code, and a `config.json` of a model type in
+    `PLAIN_BACKEND_MODEL_TYPES`. Any file missing or unreadable answers False (`AutoTokenizer` then decides)."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            tokenizer_config = json.load(f)
+        with open(os.path.join(folder, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (
+        isinstance(tokenizer_config, dict)
+        and tokenizer_config.get("tokenizer_class") == "TokenizersBackend"
+        and "auto_map" not in tokenizer_config
+        and model_type in PLAIN_BACKEND_MODEL_TYPES
+        and os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    )
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -15,7 +43,8 @@ def load_tokenizer(path: str | os.PathLike):
             `tokenizer_config.json`, e.g. a HF checkpoint folder or one written by `convert_gguf`.
 
     Returns:
-        A `transformers` tokenizer; `apply_chat_template` uses the folder's chat template.
+        A `transformers` tokenizer, the one `AutoTokenizer` gives; `apply_chat_template` uses the folder's chat
+        template.
 
     Raises:
         FileNotFoundError: the folder does not exist or holds no tokenizer files (the message names it).
@@ -27,6 +56,10 @@ def load_tokenizer(path: str | os.PathLike):
         raise FileNotFoundError(
             f"no tokenizer in {folder}: expected one of {TOKENIZER_MODEL_FILES} (plus tokenizer_config.json)"
         )
+    if loads_as_plain_backend(folder):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder, local_files_only=True)
     from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)

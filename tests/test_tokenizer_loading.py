@@ -1,0 +1,119 @@
+"""`load_tokenizer` gives the tokenizer `transformers.AutoTokenizer` gives, and loads the folders `convert_gguf`
+writes (SmolLM2's) without importing PyTorch: through `TokenizersBackend` directly, 2-3 s sooner in every Ray actor
+of a run. Folders it cannot vouch for (another model type, another class, remote code, no `config.json`) go
+through `AutoTokenizer` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from feynrl_jax.checkpoints import load_tokenizer, smollm2_checkpoint_dir
+from feynrl_jax.checkpoints.tokenizer import loads_as_plain_backend
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "What is 12 * 7?",
+    "  leading spaces,\ttabs\nand a new line ",
+    "<|im_start|>user\nhi<|im_end|>",
+    "émigré naïve 数学 🙂",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 3?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Sum 1, 2 and 3."}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "4+4?"},
+    ],
+]
+
+
+def assert_same_tokenizer(ours, auto):
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab()
+    assert {i: str(t) for i, t in ours.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in auto.added_tokens_decoder.items()
+    }
+    assert ours.all_special_tokens == auto.all_special_tokens
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(ours, name) == getattr(auto, name), name
+    assert ours.chat_template == auto.chat_template
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ours(text, add_special_tokens=special)["input_ids"]
+            assert ids == auto(text, add_special_tokens=special)["input_ids"], (text, special)
+            assert ours.decode(ids) == auto.decode(ids)
+    for chat in CHATS:
+        for tokenize in (False, True):
+            got = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
+            assert got == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder():
+    return smollm2_checkpoint_dir()
+
+
+def test_smollm2_tokenizer_is_the_one_autotokenizer_loads(smollm2_folder):
+    assert loads_as_plain_backend(smollm2_folder)
+    auto = transformers.AutoTokenizer.from_pretrained(smollm2_folder, local_files_only=True)
+    assert_same_tokenizer(load_tokenizer(smollm2_folder), auto)
+
+
+def test_loading_smollm2_tokenizer_does_not_import_torch(smollm2_folder):
+    pytest.importorskip("torch")  # only meaningful where PyTorch is installed for transformers to pull in
+    code = (
+        "import sys\n"
+        "from feynrl_jax.checkpoints import load_tokenizer\n"
+        f"tokenizer = load_tokenizer({smollm2_folder!r})\n"
+        "assert tokenizer('2 + 3')['input_ids'], 'no tokens'\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def _edited_copy(src: str, dst, change: str) -> str:
+    folder = str(dst / change.replace(" ", "_"))
+    os.makedirs(folder)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(src, name), folder)
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        tokenizer_config = json.load(f)
+    with open(os.path.join(folder, "config.json")) as f:
+        model_config = json.load(f)
+    if change == "qwen2 model type":  # AutoTokenizer forces Qwen2's own class over the folder's
+        model_config["model_type"] = "qwen2"
+    elif change == "generic fast class":
+        tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    elif change == "remote code":
+        tokenizer_config["auto_map"] = {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config, f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(model_config, f)
+    if change == "no config.json":
+        os.remove(os.path.join(folder, "config.json"))
+    return folder
+
+
+@pytest.mark.parametrize("change", ["qwen2 model type", "generic fast class", "no config.json", "remote code"])
+def test_other_folders_are_left_to_autotokenizer(smollm2_folder, tmp_path, change):
+    folder = _edited_copy(smollm2_folder, tmp_path, change)
+    assert not loads_as_plain_backend(folder)
+    if change == "remote code":  # AutoTokenizer would ask to trust the code: nothing more to compare
+        return
+    auto = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if change == "qwen2 model type":
+        assert type(auto).__name__ == "Qwen2Tokenizer"  # the case the fast path must not take
+    assert_same_tokenizer(load_tokenizer(folder), auto)
