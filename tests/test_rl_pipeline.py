@@ -77,7 +77,8 @@ def run_schedule(
 ):
     """Drives the pipeline like `rl_loop`: take, 'train' (bump the version), publish. Returns per-step records;
     `train_spans` (a list) receives the (start, end) of every 'training'."""
-    run = run or FakeRun(delays)
+    assert run is None or delays is None, "delays belong to the FakeRun passed in"
+    run = FakeRun(delays) if run is None else run
     if prompts_state is not None:
         run.drawn = prompts_state["drawn"]
     pipeline = RolloutPipeline(
@@ -159,7 +160,8 @@ def test_async_generation_overlaps_training():
         seconds[k] = time.perf_counter() - t0
         overlapping[k] = sum(any(a < d and c < b for c, d in trained) for a, b in run.spans)
     assert overlapping[0] == 0, overlapping
-    # Every batch after the first two is generated from the version published as the step before it starts training.
+    # Batches 2..steps are each generated while the step before them trains (their versions are published by then);
+    # one miss is tolerated (a thread stalled for the whole 0.15 s).
     assert overlapping[1] >= steps - 2, overlapping
     # Sync is about steps x (gen + train) = 1.8 s; async about (steps + 1) x max(gen, train) = 1.05 s.
     assert seconds[1] < 0.85 * seconds[0], seconds

@@ -20,9 +20,9 @@ def loads_as_plain_backend(folder: str) -> bool:
     `tokenizer_config.json` naming that class and no remote code, and a `config.json` of a model type in
     `PLAIN_BACKEND_MODEL_TYPES`. Any file missing or unreadable answers False (`AutoTokenizer` then decides)."""
     try:
-        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
             tokenizer_config = json.load(f)
-        with open(os.path.join(folder, "config.json")) as f:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError):
         return False
