@@ -40,8 +40,14 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
+# The tests that are not marked `serial` run first, TEST_WORKERS at a time (pytest-xdist, each file on one worker):
+# alone they keep two cores about 40% busy, waiting on process start-up and compiles. The `serial` ones (Ray, several
+# processes, tests that time themselves; tests/conftest.py) then run one at a time with nothing beside them.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 	$(MAKE) test-notebooks
 
 # The research notebooks, each executed top to bottom in a fresh kernel (nbmake) within 4 minutes (pytest-timeout;

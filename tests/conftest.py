@@ -43,6 +43,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(items):
+    """Every test that starts Ray or other processes is `serial` too (see the marker in pyproject.toml)."""
+    for item in items:
+        if item.get_closest_marker("ray") or item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.serial)
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray instance (2 CPUs, the tiny RL config's `ray` settings) for one test module; its actors inherit the

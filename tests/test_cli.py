@@ -24,6 +24,7 @@ def feynrl_jax(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.serial  # times the CLI: nothing beside it
 def test_misspelt_key_fails_fast_naming_it_and_the_closest_key():
     start = time.monotonic()
     result = feynrl_jax("train", "--config=configs/grpo_demo.py", "--config.optim.lrr=1")

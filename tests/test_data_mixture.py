@@ -149,6 +149,7 @@ def test_skips_are_logged_briefly_counted_by_source_and_restored(caplog, tokeniz
     assert resumed.skipped() == {"train/data/skipped_rows": 0.0}
 
 
+@pytest.mark.serial  # times itself
 def test_all_prompts_too_long_fails_in_seconds_naming_the_source(tmp_path, tokenizer):
     import time
 

@@ -17,6 +17,9 @@ import pytest
 from feynrl_jax.errors import InputError
 from feynrl_jax.rollout.rewards import RewardError, RewardScorer, TimeoutProcessPool
 
+# The pool's timeouts are checked against the wall clock, to a few seconds: nothing runs beside these tests.
+pytestmark = pytest.mark.serial
+
 TIMEOUT_S = 1.0
 
 

@@ -147,6 +147,7 @@ def test_batches_do_not_depend_on_worker_or_trainer_speed(k):
             np.testing.assert_array_equal(a[2].scored.rollouts.policy_version, other[2].scored.rollouts.policy_version)
 
 
+@pytest.mark.serial  # times its schedules
 def test_async_generation_overlaps_training():
     """With k = 1 the batch of step t + 1 is generated while step t trains, so the run takes about max, not sum, of
     the two; with k = 0 generation never overlaps training. Delays of 0.15 s leave the check a margin of tenths of a
