@@ -428,7 +428,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=demo.train.steps, help="ours: training steps")
-    parser.add_argument("--eval-every", type=int, default=3, help="ours: evaluate every this many steps")
+    parser.add_argument("--eval-every", type=int, default=1, help="ours: evaluate every this many steps")
     parser.add_argument("--trl-eval-every", type=int, default=1, help="TRL: evaluate every this many steps")
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="both sides")
     parser.add_argument("--workdir", default="runs/learning_vs_trl", help="run folders and results (reused)")
