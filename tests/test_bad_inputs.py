@@ -33,6 +33,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# Each case is a real `feynrl-jax` process (some start Ray, one kills a lock holder), two at a time (the fixture
+# below), each held to a time bound: the module runs in `make test`'s serial pass, with nothing beside it.
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RL = str(ROOT / "configs" / "tiny_rl.py")
 FAST = 20.0  # seconds: a config mistake fails before JAX or Ray start (about 1-2 s alone; the bound allows a busy CI)
