@@ -11,7 +11,8 @@ export JAX_PLATFORMS ?= cpu
 export RAY_AUTH_MODE ?= disabled
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
-# Transparent huge pages for malloc (feynrl_jax/host_memory.py): about 15% faster CPU training steps.
+# Transparent huge pages for malloc (feynrl_jax/host_memory.py): about 15% faster CPU training steps. The CLI and the
+# benchmarks add the tunables that keep freed memory for reuse (re-executing themselves); the tests run without them.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: setup demo test test-fast test-vllm test-notebooks lint clean

@@ -42,9 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-from feynrl_jax.host_memory import reexec_with_huge_pages
+from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
-reexec_with_huge_pages()  # before JAX allocates: every run inherits it
+reexec_with_allocator_tunables()  # before JAX allocates: every run inherits it
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo_demo.py"
 TRAINER_CORES, ROLLOUT_CORES = (0,), (1,)

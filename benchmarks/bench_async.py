@@ -51,9 +51,9 @@ from pathlib import Path
 
 from async_learning import child_env
 
-from feynrl_jax.host_memory import reexec_with_huge_pages
+from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
-reexec_with_huge_pages()  # before JAX allocates: every leg runs with it (the legs inherit the environment)
+reexec_with_allocator_tunables()  # before JAX allocates: every leg runs with it (the legs inherit the environment)
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "grpo_demo.py"
 PAIRS = ("plain", "judge")

@@ -23,9 +23,9 @@ import functools
 import os
 import time
 
-from feynrl_jax.host_memory import reexec_with_huge_pages
+from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
-reexec_with_huge_pages()  # before jax allocates
+reexec_with_allocator_tunables()  # before jax allocates
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -33,9 +33,9 @@ import tempfile
 import threading
 import time
 
-from feynrl_jax.host_memory import reexec_with_huge_pages
+from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
-reexec_with_huge_pages()  # before jax/torch allocate: both sides of every comparison run with it
+reexec_with_allocator_tunables()  # before jax/torch allocate: both sides of every comparison run with it
 
 SYSTEM_PROMPT = "Reply with only the final answer."
 # TRL's settings shared by every comparison: one update per generated batch, a log record per step, on the CPU,

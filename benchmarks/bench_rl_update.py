@@ -34,9 +34,9 @@ import tempfile
 import time
 from unittest import mock
 
-from feynrl_jax.host_memory import reexec_with_huge_pages
+from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
-reexec_with_huge_pages()
+reexec_with_allocator_tunables()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -33,9 +33,9 @@ import subprocess
 import sys
 import time
 
-from feynrl_jax.host_memory import reexec_with_huge_pages
+from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
-reexec_with_huge_pages()  # before jax/torch allocate: both sides of every comparison run with it
+reexec_with_allocator_tunables()  # before jax/torch allocate: both sides of every comparison run with it
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

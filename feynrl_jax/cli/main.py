@@ -363,17 +363,20 @@ def main(argv: list[str]) -> None:
 
 
 def run() -> None:
-    """The console-script entry point (re-executed once with huge pages on: see `feynrl_jax.host_memory`)."""
-    from feynrl_jax.host_memory import reexec_with_huge_pages  # stdlib only; the CLI's top level stays light
+    """The console-script entry point (re-executed once with the allocator tunables: see `feynrl_jax.host_memory`)."""
+    # stdlib only; the CLI's top level stays light
+    from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
-    reexec_with_huge_pages()
+    reexec_with_allocator_tunables()
     # A console script imports from its own bin/ folder; "module:function" references to your code (`algo.name`,
     # `rollout.rewards`) are found in the working directory, as with `python -m`. Ray's local workers start there.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    from feynrl_jax.cache_dirs import set_compile_cache_dir
     from feynrl_jax.cli import supervisor, xla_flags
 
     xla_flags.set_cpu_collective_flags(os.environ)  # before JAX starts (in this process or the child)
+    set_compile_cache_dir(os.environ)  # JAX's persistent compilation cache, unless the user set or emptied it
 
     if supervisor.wanted(sys.argv, os.environ):  # a multi-process job: see feynrl_jax.cli.supervisor
         sys.exit(supervisor.supervise(sys.argv))

@@ -45,8 +45,11 @@ def start_ray(ray_cfg: ConfigDict) -> bool:
     os.environ[DRIVER_OMP_THREADS] = os.environ.get("OMP_NUM_THREADS", "")
     if ray_cfg.address:
         log.info("connecting to the Ray cluster at %s", ray_cfg.address)
-        # The cluster's workers do not inherit this process's environment: ask for huge pages explicitly.
-        env_vars = host_memory.huge_pages_env({}) | {DRIVER_OMP_THREADS: os.environ[DRIVER_OMP_THREADS]}
+        # The cluster's workers do not inherit this process's environment: ask for the allocator tunables explicitly
+        # (retention only where FEYNRL_RETAIN_MEMORY=1 asks for it: their machines' CPU counts are unknown here).
+        env_vars = host_memory.allocator_env({}, other_machine=True) | {
+            DRIVER_OMP_THREADS: os.environ[DRIVER_OMP_THREADS]
+        }
         ray.init(address=ray_cfg.address, log_to_driver=ray_cfg.log_to_driver, runtime_env={"env_vars": env_vars})
         return True
     num_cpus = ray_cfg.num_cpus or os.cpu_count() or 1
