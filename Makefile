@@ -11,8 +11,9 @@ export JAX_PLATFORMS ?= cpu
 export RAY_AUTH_MODE ?= disabled
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
-# Transparent huge pages for malloc (feynrl_jax/host_memory.py): about 15% faster CPU training steps. The CLI and the
-# benchmarks add the tunables that keep freed memory for reuse (re-executing themselves); the tests run without them.
+# Transparent huge pages for malloc (feynrl_jax/host_memory.py): about 15% faster CPU training steps. On machines
+# with at most 2 CPUs the CLI and the benchmarks add the tunables that keep freed memory for reuse (re-executing
+# themselves), and so do the CLI processes that tests start; pytest's own processes run with huge pages only.
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: setup demo test test-fast test-vllm test-notebooks lint clean

@@ -1,6 +1,6 @@
 """The host allocator's retention (`feynrl_jax/host_memory.py`, `FEYNRL_RETAIN_MEMORY`) off against on, side by side.
 
-Two measurements, each run once with the retention tunables and once without (glibc huge pages in both):
+Three measurements, each run once with the retention tunables and once without (glibc huge pages in both):
 
 1. **Pages touched again after a pause.** A process allocates and fills a 2 GB array, frees it, waits 3 s (as an
    RL update waits for the rollout or an evaluation) and does it again, 4 times. Reports the fill rate of the first

@@ -16,10 +16,17 @@ import os
 from collections.abc import Mapping, MutableMapping
 
 COMPILE_CACHE_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
+MAX_SIZE_VARIABLE = "JAX_COMPILATION_CACHE_MAX_SIZE"
+DEFAULT_MAX_BYTES = 2 * 2**30
+"""The default folder's size bound: JAX evicts the least recently used programs beyond it (its own default: none)."""
 
 
 def default_cache_root(environ: Mapping[str, str] | None = None) -> str:
-    """`$FEYNRL_JAX_CACHE`, else `$XDG_CACHE_HOME/feynrl_jax`, else `~/.cache/feynrl_jax`."""
+    """`$FEYNRL_JAX_CACHE`, else `$XDG_CACHE_HOME/feynrl_jax`, else `~/.cache/feynrl_jax`.
+
+    Args:
+        environ: the environment to read (default: this process's).
+    """
     environ = os.environ if environ is None else environ
     if environ.get("FEYNRL_JAX_CACHE"):
         return environ["FEYNRL_JAX_CACHE"]
@@ -28,12 +35,21 @@ def default_cache_root(environ: Mapping[str, str] | None = None) -> str:
 
 
 def set_compile_cache_dir(environ: MutableMapping[str, str]) -> str | None:
-    """Sets `JAX_COMPILATION_CACHE_DIR` in `environ` to `<cache root>/jax_compile_cache` unless it is set already
-    (a path of the user's, or empty to turn the cache off). Call it before JAX is imported.
+    """Sets `JAX_COMPILATION_CACHE_DIR` in `environ` to `<cache root>/jax_compile_cache`, bounded to
+    `DEFAULT_MAX_BYTES` unless `JAX_COMPILATION_CACHE_MAX_SIZE` says otherwise, where the variable is not set already:
+    a folder of the user's is left as it is, and an empty value turns the cache off (JAX would take it for a folder
+    set, so `JAX_ENABLE_COMPILATION_CACHE=false` goes with it). Call it before JAX is imported.
+
+    Args:
+        environ: the environment to update (the CLI passes `os.environ`).
 
     Returns:
-        The cache folder in use, or None where the variable is empty (no cache).
+        The cache folder in use, or None where the cache is off.
     """
     if COMPILE_CACHE_VARIABLE not in environ:
         environ[COMPILE_CACHE_VARIABLE] = os.path.join(default_cache_root(environ), "jax_compile_cache")
-    return environ[COMPILE_CACHE_VARIABLE] or None
+        environ.setdefault(MAX_SIZE_VARIABLE, str(DEFAULT_MAX_BYTES))
+    if not environ[COMPILE_CACHE_VARIABLE]:
+        environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+        return None
+    return environ[COMPILE_CACHE_VARIABLE]

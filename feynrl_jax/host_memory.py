@@ -14,10 +14,10 @@ with the variable set (`reexec_with_allocator_tunables`); child processes and Ra
   `RETAIN_MAX_CPUS` usable CPUs. By default glibc serves every block over 32 MiB with its own `mmap` and returns
   it to the kernel on `free`, so each training step's temporaries (one XLA allocation of GBs) are fresh pages again
   at the next step. On a virtual machine whose host backs guest memory lazily and takes freed memory back (free
-  page reporting), touching such pages again runs about 10x slower than touching pages the process still holds,
+  page reporting), touching such pages again runs about 14x slower than touching pages the process still holds,
   and on the 2-core development machine an RL update that followed an 8-second held-out evaluation spent about
-  2 s of its 7 in the kernel. With every allocation from one `brk`
-  heap that is never trimmed, a process reuses the pages it has touched. Measured on the 2-core machine
+  2 s of its 7 in the kernel. With every allocation from one `brk` heap that is never trimmed, a process reuses
+  the pages it has touched. Measured on the 2-core machine
   (`benchmarks/bench_allocator.py`, both settings side by side): a 2 GB array filled again after a 3 s pause at
   8.4 GB/s against 0.6; our GRPO step at 64 new tokens 1.21x faster and its update 1.35x, the first step 4% slower,
   the peak PSS 2% higher (the heap keeps its high-water mark and some fragmentation).
@@ -62,8 +62,12 @@ def _glibc() -> bool:
 def wanted_tunables(other_machine: bool = False) -> tuple[str, ...]:
     """The tunables this process's switches and CPU count ask for (none where glibc is not the C library).
 
-    `other_machine`: for processes on other machines (a Ray cluster's workers), whose CPU count this process does
-    not know: retention only where `FEYNRL_RETAIN_MEMORY=1` asks for it.
+    Args:
+        other_machine: for processes on other machines (a Ray cluster's workers), whose CPU count this process
+            does not know: retention only where `FEYNRL_RETAIN_MEMORY=1` asks for it.
+
+    Returns:
+        `HUGE_PAGES` unless `FEYNRL_HUGE_PAGES=0`, then `RETAIN` where it applies.
 
     Raises:
         ValueError: `FEYNRL_RETAIN_MEMORY` is not 0, 1 or auto.

@@ -13,11 +13,21 @@ from feynrl_jax import cache_dirs
 def test_default_folder_is_under_the_cache_root_and_a_users_choice_is_kept(tmp_path):
     environ = {"FEYNRL_JAX_CACHE": str(tmp_path)}
     assert cache_dirs.set_compile_cache_dir(environ) == str(tmp_path / "jax_compile_cache")
-    assert environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "jax_compile_cache")
+    assert environ == {
+        "FEYNRL_JAX_CACHE": str(tmp_path),
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_compile_cache"),
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(cache_dirs.DEFAULT_MAX_BYTES),  # the default folder is bounded
+    }
     mine = {"FEYNRL_JAX_CACHE": str(tmp_path), "JAX_COMPILATION_CACHE_DIR": "/elsewhere"}
     assert cache_dirs.set_compile_cache_dir(mine) == "/elsewhere"
-    off = {"JAX_COMPILATION_CACHE_DIR": ""}  # an empty value turns JAX's cache off, and stays empty
-    assert cache_dirs.set_compile_cache_dir(off) is None and off == {"JAX_COMPILATION_CACHE_DIR": ""}
+    assert "JAX_COMPILATION_CACHE_MAX_SIZE" not in mine  # the user's folder, the user's bound
+    bounded = {"FEYNRL_JAX_CACHE": str(tmp_path), "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}
+    cache_dirs.set_compile_cache_dir(bounded)
+    assert bounded["JAX_COMPILATION_CACHE_MAX_SIZE"] == "-1"
+    # An empty value turns the cache off: it stays empty, and JAX's switch goes off with it.
+    off = {"JAX_COMPILATION_CACHE_DIR": ""}
+    assert cache_dirs.set_compile_cache_dir(off) is None
+    assert off == {"JAX_COMPILATION_CACHE_DIR": "", "JAX_ENABLE_COMPILATION_CACHE": "false"}
     xdg = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
     assert cache_dirs.set_compile_cache_dir(xdg) == str(tmp_path / "xdg" / "feynrl_jax" / "jax_compile_cache")
 
