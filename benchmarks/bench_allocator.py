@@ -9,7 +9,6 @@ Three measurements, each run once with the retention tunables and once without (
 2. **Our GRPO step** (`bench_grpo_vs_trl.py --which ours`, 64 new tokens unless `--max-new-tokens` says otherwise):
    seconds per step, the update's seconds and the peak PSS of the run's processes, each setting in its own
    subprocess, one after the other.
-
 3. **bfloat16 forward+backward** against PyTorch bf16 autocast (`bench_model_fwd_bwd.py --precision bfloat16`), with
    `--fwd-bwd` only: where one arena costs (many cores), both sides slow down under retention.
 
@@ -52,15 +51,7 @@ TOUCH = textwrap.dedent(
 def env_for(retain: bool) -> dict[str, str]:
     """This environment with huge pages, and the retention tunables or none of them."""
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "_FEYNRL_REEXECED")}
-    saved = os.environ.get("FEYNRL_RETAIN_MEMORY")
-    os.environ["FEYNRL_RETAIN_MEMORY"] = "1" if retain else "0"
-    try:
-        env.update(host_memory.allocator_env(env))
-    finally:
-        if saved is None:
-            os.environ.pop("FEYNRL_RETAIN_MEMORY")
-        else:
-            os.environ["FEYNRL_RETAIN_MEMORY"] = saved
+    env["GLIBC_TUNABLES"] = ":".join(host_memory.HUGE_PAGES + (host_memory.RETAIN if retain else ()))
     env["FEYNRL_RETAIN_MEMORY"] = "1" if retain else "0"
     env["_FEYNRL_REEXECED"] = "1"  # the tunables are set here; no child re-executes itself with others
     return env
@@ -77,14 +68,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fwd-bwd", action="store_true", help="also bf16 forward+backward against PyTorch")
     args = parser.parse_args()
-    print(f"usable cpus: {len(os.sched_getaffinity(0))}; huge pages in both; retention: {':'.join(host_memory.RETAIN)}")
+    print(f"usable cpus: {host_memory.usable_cpus()}; huge pages in both; retention: {':'.join(host_memory.RETAIN)}")
 
-    touch = {}
     for retain in (False, True):
         done = subprocess.run([sys.executable, "-c", TOUCH], env=env_for(retain), capture_output=True, text=True)
         done.check_returncode()
-        touch[retain] = json.loads(done.stdout.strip().splitlines()[-1])
-        rates = touch[retain]
+        rates = json.loads(done.stdout.strip().splitlines()[-1])
         later = sum(rates[1:]) / len(rates[1:])
         print(
             f"pages, retention {'on ' if retain else 'off'}: first fill {rates[0]:.2f} GB/s, "

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from feynrl_jax.host_memory import usable_cpus  # the other benchmarks import it from here
 from feynrl_jax.kernels import onednn
 
 
@@ -35,20 +36,6 @@ def best_seconds(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (`cpu.max`, a container's
-    `--cpus`). `os.cpu_count()` counts the host's CPUs, which in a container can be many more."""
-    count = len(os.sched_getaffinity(0))
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            count = min(count, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return count
 
 
 def cpu_model() -> str:

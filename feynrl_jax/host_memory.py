@@ -48,11 +48,21 @@ RETAIN_MAX_CPUS = 2
 """Retention is on by default up to this many usable CPUs: measured faster with 2, slower with 16 (module doc)."""
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota (`cpu.max`, a container's
+    `--cpus`). `os.cpu_count()` counts the host's CPUs, which in a container can be many more."""
     try:
-        return len(os.sched_getaffinity(0))
+        count = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        count = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            count = min(count, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return count
 
 
 def _glibc() -> bool:
@@ -78,7 +88,7 @@ def wanted_tunables(other_machine: bool = False) -> tuple[str, ...]:
     retain = os.environ.get("FEYNRL_RETAIN_MEMORY", "auto")
     if retain not in ("0", "1", "auto"):
         raise ValueError(f"FEYNRL_RETAIN_MEMORY={retain!r}: expected 0, 1 or auto (the default)")
-    if retain == "1" or (retain == "auto" and not other_machine and _usable_cpus() <= RETAIN_MAX_CPUS):
+    if retain == "1" or (retain == "auto" and not other_machine and usable_cpus() <= RETAIN_MAX_CPUS):
         wanted += RETAIN
     return wanted
 

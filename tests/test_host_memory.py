@@ -53,9 +53,9 @@ def test_each_group_is_switched_off_by_its_environment_variable(monkeypatch):
 def test_retention_by_default_only_on_small_machines(monkeypatch):
     # One arena serializes malloc across threads: measured faster on 2 cores, slower on 16 (host_memory's doc).
     monkeypatch.setenv("FEYNRL_RETAIN_MEMORY", "auto")
-    monkeypatch.setattr(host_memory, "_usable_cpus", lambda: host_memory.RETAIN_MAX_CPUS)
+    monkeypatch.setattr(host_memory, "usable_cpus", lambda: host_memory.RETAIN_MAX_CPUS)
     assert host_memory.wanted_tunables() == host_memory.HUGE_PAGES + host_memory.RETAIN
-    monkeypatch.setattr(host_memory, "_usable_cpus", lambda: 16)
+    monkeypatch.setattr(host_memory, "usable_cpus", lambda: 16)
     assert host_memory.wanted_tunables() == host_memory.HUGE_PAGES
     monkeypatch.delenv("FEYNRL_RETAIN_MEMORY")
     assert host_memory.wanted_tunables() == host_memory.HUGE_PAGES
@@ -64,7 +64,7 @@ def test_retention_by_default_only_on_small_machines(monkeypatch):
     # A Ray cluster's workers run on machines whose CPU count the driver does not know: only an explicit 1.
     assert host_memory.wanted_tunables(other_machine=True) == host_memory.HUGE_PAGES + host_memory.RETAIN
     monkeypatch.setenv("FEYNRL_RETAIN_MEMORY", "auto")
-    monkeypatch.setattr(host_memory, "_usable_cpus", lambda: 1)
+    monkeypatch.setattr(host_memory, "usable_cpus", lambda: 1)
     assert host_memory.wanted_tunables(other_machine=True) == host_memory.HUGE_PAGES
 
 
