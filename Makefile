@@ -42,14 +42,19 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check .
 
-# The tests that are not marked `serial` run first, TEST_WORKERS at a time (pytest-xdist, each file on one worker):
-# alone they keep two cores about 40% busy, waiting on process start-up and compiles. The `serial` ones (Ray, several
-# processes, tests that time themselves; tests/conftest.py) then run one at a time with nothing beside them.
+# The tests that are not marked `serial` run first, TEST_WORKERS at a time (pytest-xdist, each file on one worker),
+# Ray and multi-process runs included: one at a time, the in-process tests kept two cores about 40% busy and the Ray
+# runs about 75%, waiting on process start-up and compiles. The `serial` ones (tests that time themselves or wait on
+# short timeouts, and the vLLM RL runs, which need the memory) then run one at a time with nothing beside them.
+# Both passes share one persistent compilation cache (tests/conftest.py), removed at the end: a program the first
+# pass compiled loads in the second.
 TEST_WORKERS ?= 2
 
 # tests/run_pytest.py is pytest without the interpreter's native teardown, which once crashed after a passing session.
 test: lint
-	$(BIN)/python tests/run_pytest.py -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	cache=$$(mktemp -d -t feynrl_jax_test_compile_cache_XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
+	export JAX_COMPILATION_CACHE_DIR="$$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 && \
+	$(BIN)/python tests/run_pytest.py -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" && \
 	$(BIN)/python tests/run_pytest.py -q -m serial
 	$(MAKE) test-notebooks
 

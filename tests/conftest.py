@@ -20,7 +20,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # subprocesses and Ray's actors all inherit it, so a program compiled once (the tiny model's train step, its
 # rollout engine) is loaded, not compiled again, by every later run that builds the same program. The key covers
 # the program, its shardings, the XLA flags and the backend, so a hit is the executable a compile would produce.
-# Programs that compile in under 0.2 s are not written (unit tests compile hundreds of those).
+# Programs that compile in under 0.2 s are not written (unit tests compile hundreds of those). `make test` gives its
+# two passes one cache of its own (Makefile), which this keeps.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
@@ -41,13 +42,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 import pytest  # noqa: E402
-
-
-def pytest_collection_modifyitems(items):
-    """Every test that starts Ray or other processes is `serial` too (see the marker in pyproject.toml)."""
-    for item in items:
-        if item.get_closest_marker("ray") or item.get_closest_marker("multiprocess"):
-            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="module")

@@ -139,6 +139,7 @@ def _tmp_dirs(directory):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial  # polls for a save in flight every 0.5 ms, then kills: nothing beside it may slow the poller
 def test_sigkill_mid_save_never_leaves_a_loadable_partial_checkpoint(tmp_path):
     """Kills the saver while a step's temporary folder exists (a save in flight), at three different steps."""
     target = {"a": jnp.zeros((2048, 2048)), "b": jnp.zeros((1024, 2048))}

@@ -30,6 +30,9 @@ import resume_harness as harness
 
 from feynrl_jax.tracking import read_metrics
 
+# jax.distributed heartbeats every few seconds (HEARTBEAT_S): `make test` runs the module in the serial pass, alone.
+pytestmark = pytest.mark.serial
+
 STEPS = 8
 SAVE_EVERY = 3
 HEARTBEAT_S = 5

@@ -7,9 +7,9 @@ float32 accumulation error `K 2^-24 (|a| @ |b|)` (Higham, "Accuracy and Stabilit
 eq. 3.5, with the first-order bound K u). Gradients are such products of the cotangent rounded to bfloat16 (one
 more U relative to the cotangent).
 
-The model-level checks (the switch reaches the compiled step, "auto" resolves by the CPU, the bfloat16 step is as
-close to float64 as XLA's own bfloat16 step) run in a subprocess with one CPU device: the kernel is refused where
-JAX has several devices, as this test process has (conftest's 8 fake devices).
+The model-level checks (the switch reaches the compiled step, "auto" resolves by the CPU and a measurement, the
+bfloat16 step is as close to float64 as XLA's own bfloat16 step) run in a subprocess with one CPU device: the kernel
+is refused where JAX has several devices, as this test process has (conftest's 8 fake devices).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import pytest
 from feynrl_jax.config.errors import ConfigError
 from feynrl_jax.config.validation import validate
 from feynrl_jax.kernels import onednn
+from feynrl_jax.models import attention
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler: the kernel cannot be built here"
@@ -62,9 +63,14 @@ def _f64(x):
     return np.asarray(x, np.float64)
 
 
+def _t(x):
+    """The transpose of the matrix axes (the last two)."""
+    return np.swapaxes(x, -1, -2)
+
+
 def _bound(a, b, out_dtype):
     """Elementwise error bound of `a @ b` from bf16 operands (see the module docstring)."""
-    k = a.shape[1]
+    k = a.shape[-1]
     u = U_BF16 if out_dtype == jnp.bfloat16 else U_F32
     return u * np.abs(_f64(a) @ _f64(b)) + k * U_F32 * (np.abs(_f64(a)) @ np.abs(_f64(b))) + 1e-30
 
@@ -81,47 +87,83 @@ def test_build_writes_a_library_that_loads(tmp_path, kernel):
     assert not list(tmp_path.glob("other*"))  # nothing half-written
 
 
+# A 2-D product, and batched ones (attention's per-head products) with one and two batch axes.
+BATCHES = [(), (3,), (2, 3)]
+
+
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_dot_against_float64(kernel, out_dtype, trans_b):
+def test_dot_against_float64(kernel, out_dtype, trans_b, batch):
     rng = np.random.default_rng(0)
-    a = _bf16(rng, (37, 96))
-    b = _bf16(rng, (53, 96) if trans_b else (96, 53))
+    a = _bf16(rng, (*batch, 37, 96))
+    b = _bf16(rng, (*batch, 53, 96) if trans_b else (*batch, 96, 53))
     out = jax.jit(lambda a, b: onednn.dot(a, b, trans_b, out_dtype))(a, b)
-    assert out.dtype == out_dtype and out.shape == (37, 53)
-    bm = b.T if trans_b else b
+    assert out.dtype == out_dtype and out.shape == (*batch, 37, 53)
+    bm = _t(b) if trans_b else b
     error = np.abs(_f64(out) - _f64(a) @ _f64(bm))
     assert (error <= _bound(a, bm, out_dtype)).all(), error.max()
 
 
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_dot_gradients_against_float64(kernel, trans_b):
+def test_dot_gradients_against_float64(kernel, trans_b, batch):
     rng = np.random.default_rng(1)
-    a, w = _bf16(rng, (24, 40)), rng.normal(size=(24, 32))
-    b = _bf16(rng, (32, 40) if trans_b else (40, 32))
+    a, w = _bf16(rng, (*batch, 24, 40)), rng.normal(size=(*batch, 24, 32))
+    b = _bf16(rng, (*batch, 32, 40) if trans_b else (*batch, 40, 32))
 
     def loss(a, b):
         return jnp.sum(onednn.dot(a, b, trans_b, jnp.float32) * jnp.asarray(w, jnp.float32))
 
     da, db = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
     assert da.dtype == jnp.bfloat16 and db.dtype == jnp.bfloat16
+    assert da.shape == a.shape and db.shape == b.shape
     g = _f64(jnp.asarray(w, jnp.float32).astype(jnp.bfloat16))  # the cotangent, rounded to bf16 by the kernel's VJP
-    bm = _f64(b).T if trans_b else _f64(b)  # out = a @ bm
+    bm = _t(_f64(b)) if trans_b else _f64(b)  # out = a @ bm
     aw = np.abs(w)
     # da = g @ bm.T, db = a.T @ g (or g.T @ a for the transposed b): the cotangent's rounding (U relative to |w|)
     # plus the product's own bound.
-    ref_da, bound_da = g @ bm.T, U_BF16 * (aw @ np.abs(bm.T)) + _bound(g, bm.T, jnp.bfloat16)
-    left, right = (g.T, _f64(a)) if trans_b else (_f64(a).T, g)
-    aw_left, aw_right = (aw.T, np.abs(_f64(a))) if trans_b else (np.abs(_f64(a)).T, aw)
+    ref_da, bound_da = g @ _t(bm), U_BF16 * (aw @ np.abs(_t(bm))) + _bound(g, _t(bm), jnp.bfloat16)
+    left, right = (_t(g), _f64(a)) if trans_b else (_t(_f64(a)), g)
+    aw_left, aw_right = (_t(aw), np.abs(_f64(a))) if trans_b else (_t(np.abs(_f64(a))), aw)
     ref_db, bound_db = left @ right, U_BF16 * (aw_left @ aw_right) + _bound(left, right, jnp.bfloat16)
     assert (np.abs(_f64(da) - ref_da) <= bound_da).all()
     assert (np.abs(_f64(db) - ref_db) <= bound_db).all()
+
+
+def test_attention_products_in_onednn_against_float64(kernel):
+    """`attention.attend` with its two products in oneDNN, against float64 attention of the same bfloat16 inputs.
+
+    The pass rounds the scaled queries to bfloat16 (as XLA's bfloat16 pass does; the reference starts from the same
+    rounded values), the probabilities to bfloat16 before the second product (U relative to each term of
+    `P @ |V|`) and the output to bfloat16 (U relative); the float32 scores and sums add terms below 2^-16 relative at
+    these sizes. The bound is twice the first two."""
+    rng = np.random.default_rng(2)
+    b, t, h, kv, dh = 2, 24, 4, 2, 32
+    q, k, v = _bf16(rng, (b, t, h, dh)), _bf16(rng, (b, kv, dh, t)), _bf16(rng, (b, kv, t, dh))
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))
+    text = jax.jit(lambda *a: attention.attend(*a, True)).lower(q, k, v, mask).as_text()
+    assert text.count(onednn.TARGET) == 2
+    assert jax.jit(lambda *a: attention.attend(*a, False)).lower(q, k, v, mask).as_text().count(onednn.TARGET) == 0
+    out = _f64(jax.jit(lambda *a: attention.attend(*a, True))(q, k, v, mask))
+    # float64 reference: query head `i` uses KV head `i // (h / kv)`.
+    q_scaled = _f64(q * jnp.asarray(dh**-0.5, jnp.bfloat16))
+    heads = np.arange(h) // (h // kv)
+    scores = np.einsum("bthd,bhds->bhts", q_scaled, _f64(k)[:, heads])
+    scores = np.where(np.asarray(mask)[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ref = np.einsum("bhts,bhsd->bthd", probs, _f64(v)[:, heads])
+    spread = np.einsum("bhts,bhsd->bthd", probs, np.abs(_f64(v)[:, heads]))
+    assert (np.abs(out - ref) <= 2 * U_BF16 * (spread + np.abs(ref))).all(), np.abs(out - ref).max()
 
 
 def test_kernel_refuses_mismatched_operands(kernel):
     a = jnp.ones((4, 8), jnp.bfloat16)
     with pytest.raises(Exception, match="onednn_matmul: operands must both be bf16 or f32"):
         jax.block_until_ready(onednn._call(a, jnp.ones((8, 4), jnp.float32), False, False, jnp.float32))
+    with pytest.raises(ValueError, match="same batch axes"):
+        onednn.dot(jnp.ones((2, 4, 8), jnp.bfloat16), jnp.ones((3, 8, 4), jnp.bfloat16))
 
 
 def test_switch_resolution_in_this_multi_device_process(kernel):
@@ -181,6 +223,36 @@ def test_validation_names_the_key(kernel, tmp_path, monkeypatch):
         validate(config, num_devices=1)
 
 
+def test_auto_times_both_backends_once_per_machine_and_follows_the_faster(kernel, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEYNRL_JAX_CACHE", str(tmp_path))
+    onednn.auto_choice.cache_clear()
+    try:
+        measured = onednn.auto_choice()  # a real measurement, kept in the cache root
+        assert measured["onednn_s"] > 0 and measured["xla_s"] > 0
+        assert measured["onednn"] == (measured["xla_s"] >= onednn.AUTO_MIN_SPEEDUP * measured["onednn_s"])
+        stored = json.loads((tmp_path / onednn.AUTO_FILE).read_text())
+        assert stored == {onednn._machine_key(): measured}
+        assert not list(tmp_path.glob("*.tmp"))
+        # A later process reads the machine's record instead of measuring: each verdict it holds is followed.
+        for onednn_s, verdict in ((0.01, True), (0.05, False)):
+            record = {"onednn_s": onednn_s, "xla_s": 0.03, "onednn": verdict}
+            (tmp_path / onednn.AUTO_FILE).write_text(json.dumps({**stored, onednn._machine_key(): record}))
+            onednn.auto_choice.cache_clear()
+            monkeypatch.setattr(onednn, "_measure", lambda: pytest.fail("measured again despite the stored record"))
+            assert onednn.auto_choice() == record
+        # Another machine's record (another CPU, kernel or JAX) does not count for this one.
+        (tmp_path / onednn.AUTO_FILE).write_text(json.dumps({"other cpu | 2 cpus": record}))
+        onednn.auto_choice.cache_clear()
+        monkeypatch.setattr(onednn, "_measure", lambda: {"onednn_s": 1.0, "xla_s": 2.0, "onednn": True})
+        assert onednn.auto_choice()["onednn"] is True
+        assert set(json.loads((tmp_path / onednn.AUTO_FILE).read_text())) == {
+            "other cpu | 2 cpus",
+            onednn._machine_key(),
+        }
+    finally:
+        onednn.auto_choice.cache_clear()
+
+
 _ONE_DEVICE = textwrap.dedent(
     """
     import dataclasses, json
@@ -213,6 +285,7 @@ _ONE_DEVICE = textwrap.dedent(
     from feynrl_jax.train import run_setup
     bf16_auto = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul="auto")
     out = {"auto": onednn.use_onednn("auto", jnp.bfloat16), "units": list(onednn.cpu_bf16_units()),
+           "choice": onednn.auto_choice(),
            "log": run_setup.log_compute(bf16_auto),
            "auto_remat": base.__class__(remat="auto").resolved_remat()}
     for backend, remat in (("xla", "none"), ("onednn", "none"), ("onednn", "full"), ("onednn", "dots")):
@@ -227,6 +300,17 @@ _ONE_DEVICE = textwrap.dedent(
                         "calls": text.count(onednn.TARGET), "grad_calls": grad_text.count(onednn.TARGET),
                         "loss_error": abs(float(loss) - ref_loss),
                         "grad_error": max(errors)}
+    # Packed rows of short segments: attention in blocks (block_attention) sends its products to oneDNN too.
+    from feynrl_jax.models.block_attention import SegmentBounds
+    ids = jnp.asarray(np.repeat(np.arange(1, 7), 8)[None].repeat(2, 0), jnp.int32)
+    segment_positions = jnp.asarray(np.tile(np.arange(8), 6)[None].repeat(2, 0), jnp.int32)
+    bounds = SegmentBounds(segment=8, prefix=8)
+    bounds.check(np.asarray(segment_positions), np.asarray(ids))
+    assert bounds.pays(48, base.num_kv_heads / base.num_heads)
+    blocked = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul="onednn")
+    out["blocked_calls"] = jax.jit(lambda p: decoder.forward(
+        p, jnp.tile(tokens, (1, 2)), segment_positions,
+        config=blocked, segment_ids=ids, segment_bounds=bounds)[0]).lower(params).as_text().count(onednn.TARGET)
     print("RESULT " + json.dumps(out))
     """
 )
@@ -237,21 +321,26 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel)
     proc = subprocess.run([sys.executable, "-c", _ONE_DEVICE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    # The switch reaches the compiled pass: 7 projections per layer are scanned once + the tied output projection.
+    # The switch reaches the compiled pass: 7 projections and attention's 2 batched products per layer are scanned
+    # once + the tied output projection.
     assert result["xla"]["calls"] == 0
-    assert result["onednn"]["calls"] == 8
-    # "auto" takes oneDNN exactly where the CPU has bf16 matrix instructions (one device, kernel built).
-    assert result["auto"] == bool(result["units"])
-    assert ("matrix products by oneDNN" in result["log"]) == bool(result["units"])
+    assert result["onednn"]["calls"] == 10
+    assert result["blocked_calls"] == 9  # no output projection in `forward`
+    # "auto" takes oneDNN exactly where the CPU has bf16 matrix instructions (one device, kernel built) and oneDNN
+    # was measured faster here; the trainer's log says which and the measured ratio.
+    assert result["auto"] == (bool(result["units"]) and result["choice"]["onednn"])
+    assert ("matrix products by oneDNN" in result["log"]) == result["auto"]
+    assert ("x XLA's speed on this machine" in result["log"]) == bool(result["units"])
     assert result["auto_remat"] == "full"
     # Both bf16 passes differ from float64 by bf16 roundings of the same products; oneDNN rounds at most as often as
     # XLA (both accumulate in float32), so its error is bounded by XLA's own plus a few U.
     # With recomputation ("full", the CPU's "auto", and "dots", which keeps oneDNN's outputs by name) the same.
     # "full" recomputes in the backward pass the 6 projections whose outputs it reads (all but down_proj, whose output
-    # only joins the residual sum); "dots" keeps their outputs by name, as "none" does.
+    # only joins the residual sum) and both attention products; "dots" keeps the projections' outputs by name, as
+    # "none" does, and recomputes attention's batched products (XLA's "dots" policy keeps no batched dot either).
     calls = {run: result[run]["grad_calls"] for run in ("onednn", "onednn-full", "onednn-dots")}
-    assert calls["onednn-full"] == calls["onednn"] + 6 and calls["onednn-dots"] == calls["onednn"], calls
+    assert calls["onednn-full"] == calls["onednn"] + 8 and calls["onednn-dots"] == calls["onednn"] + 2, calls
     for run in ("onednn", "onednn-full", "onednn-dots"):
-        assert result[run]["calls"] == 8, run
+        assert result[run]["calls"] == 10, run
         for key in ("loss_error", "grad_error"):
             assert result[run][key] <= 2 * result["xla"][key] + 4 * U_BF16, (run, result)

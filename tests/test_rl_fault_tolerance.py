@@ -17,6 +17,9 @@ from feynrl_jax.tracking import read_metrics
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import tiny_rl  # noqa: E402
 
+# Its stall timeouts are 1-10 s and it counts the stalls it saw: `make test` runs it in the serial pass, alone.
+pytestmark = pytest.mark.serial
+
 
 def fault_worker_mid_generation(name: str, faults: list, stop: threading.Event) -> None:
     """Sends each `(signal, min_generate_calls)` of `faults`, in order, to the worker's process while a generation

@@ -1,6 +1,6 @@
-"""`make test` runs the suite in two passes (Makefile): the tests not marked `serial` two at a time, then the `serial`
-ones alone. Every test marked `ray` or `multiprocess` belongs to the second pass (tests/conftest.py marks them), the
-vLLM tier's included, and so do the modules that time themselves."""
+"""`make test` runs the suite in two passes (Makefile): the tests not marked `serial` two at a time, Ray and
+multi-process runs included, then the `serial` ones alone: the tests that time themselves or wait on short timeouts,
+and the vLLM tier's RL runs (memory)."""
 
 import importlib.util
 import pathlib
@@ -25,12 +25,21 @@ def collected(expression: str) -> list[str]:
     return [line for line in result.stdout.splitlines() if TEST_ID.match(line)]
 
 
-def test_ray_multiprocess_and_self_timed_tests_run_in_the_serial_pass():
+def test_self_timed_and_short_timeout_tests_run_in_the_serial_pass_and_ray_runs_share_the_cores():
     serial = collected("serial")
     modules = {test.partition("::")[0] for test in serial}
-    # Marked `ray` (the hook), `multiprocess` (the hook), or `serial` as a module or a test.
-    assert {"tests/test_rl_algorithms.py", "tests/test_multiprocess_cli.py", "tests/test_bad_inputs.py"} <= modules
+    # Marked `serial` as a module or a test.
+    assert {
+        "tests/test_bad_inputs.py",
+        "tests/test_rewards_pool.py",
+        "tests/test_rl_fault_tolerance.py",
+        "tests/test_multiprocess_cli.py",
+    } <= modules
     assert "tests/test_rl_pipeline.py::test_async_generation_overlaps_training" in serial
+    assert "tests/test_checkpoint_resume.py::test_sigkill_mid_save_never_leaves_a_loadable_partial_checkpoint" in serial
     if importlib.util.find_spec("vllm") is not None:  # without vLLM the tier's modules are skipped at import
         assert "tests_vllm/test_rl_vllm.py" in modules
+    # Ray and multi-process runs that only wait on generous deadlines share the cores in the first pass.
+    shared = {test.partition("::")[0] for test in collected("(ray or multiprocess) and not serial")}
+    assert {"tests/test_rl_algorithms.py", "tests/test_rl_resume.py", "tests/test_rl_multiprocess.py"} <= shared
     assert len(serial) < len(collected("not serial"))  # the first pass keeps most of the suite

@@ -25,7 +25,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs v
 
 from feynrl_jax.tracking import read_metrics  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ray]
+# Each run holds vLLM engines beside the trainer (several GB): `make test` runs the module in the serial pass, alone.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ray, pytest.mark.serial]
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, os.path.join(ROOT, "configs"))

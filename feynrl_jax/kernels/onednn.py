@@ -11,10 +11,14 @@ FFI headers (`jax.ffi.include_dir()`) by `build`, which `make setup` runs; the l
 Without it (no compiler, no oneDNN) every product stays with XLA. The library records a hash of the source it was
 compiled from; one built from another version of `onednn_matmul.cc` is not loaded (`make setup` rebuilds it).
 
-`model.cpu_matmul` picks the backend of the decoder's projections and output projection (`decoder.forward`,
-`decoder.logits`):
+`model.cpu_matmul` picks the backend of the decoder's projections, attention's two batched products and the output
+projection (`decoder.forward`, `attention.attend`, `decoder.logits`):
 - "auto" (default): oneDNN when the compute dtype is bfloat16, JAX runs on one CPU device, the CPU has bfloat16
-  matrix instructions and the library is built; XLA otherwise (float32 gains nothing: both run at the same rate).
+  matrix instructions, the library is built and oneDNN was measured faster than XLA on this machine
+  (`auto_choice`); XLA otherwise (float32 gains nothing: both run at the same rate). bf16 instructions are not
+  enough: on a 2-core Intel Xeon with AVX-512-BF16 (no AMX) oneDNN's bfloat16 products ran at 0.6x XLA's float32
+  rate, as PyTorch's did, where an AMD EPYC's ran at 2x and an AMX Xeon's at 1.3-4.9x
+  (`benchmarks/bench_cpu_matmul.py`).
 - "onednn": oneDNN for bfloat16 products, refused at validation when the library is not built, and where a trainer
   starts (`run_setup.log_compute`) or a pass is traced when it cannot load, on an accelerator, in a multi-device job
   (XLA's partitioner would gather a custom call's operands onto each device) or on a CPU without AVX-512 (oneDNN 3.2
@@ -27,20 +31,25 @@ cotangent of a float32 output (the logits) is rounded to bfloat16 first, as bflo
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from feynrl_jax.cache_dirs import default_cache_root
+from feynrl_jax.host_memory import usable_cpus
 from feynrl_jax.kernels import CPU_MATMUL_BACKENDS, ONEDNN_LIBRARY
 
 SOURCE = Path(__file__).with_name("onednn_matmul.cc")
@@ -51,6 +60,13 @@ CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 """Without bf16 instructions, oneDNN computes a bfloat16 matmul in float32 on these (AVX-512 "core"); without them it
 has none."""
+AUTO_SHAPE = (2048, 576, 1536)
+"""`[M, K, N]` of the product "auto" times both ways, with its two gradient products: SmolLM2-135M's MLP
+up-projection over 8 x 256 tokens."""
+AUTO_MIN_SPEEDUP = 1.1
+""""auto" takes oneDNN where it ran at least this much faster than XLA (a margin over timing noise)."""
+AUTO_FILE = "onednn_auto.json"
+"""The file under the cache root (`cache_dirs.default_cache_root`) that keeps each machine's measurement."""
 
 
 def source_hash() -> str:
@@ -159,6 +175,76 @@ def cpu_bf16_units() -> tuple[str, ...]:
     return tuple(flag for flag in CPU_BF16_FLAGS if flag in _cpu_flags())
 
 
+def _machine_key() -> str:
+    """What a measurement of "auto" holds for: the CPU model, its usable CPUs, the kernel's source, JAX's version."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    units = "+".join(cpu_bf16_units()) or "none"
+    return f"{model} | {usable_cpus()} cpus | {units} | kernel {source_hash()} | jax {jax.__version__}"
+
+
+def _time_products(backend: str, repeats: int = 5) -> float:
+    """Seconds (the best of `repeats`) of `AUTO_SHAPE`'s bfloat16 product and its two gradient products."""
+    m, k, n = AUTO_SHAPE
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.bfloat16)
+    product = (lambda x, w: dot(x, w)) if backend == "onednn" else (lambda x, w: x @ w)
+    step = jax.jit(jax.grad(lambda x, w: jnp.sum(product(x, w).astype(jnp.float32)), argnums=(0, 1)))
+    jax.block_until_ready(step(x, w))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(x, w))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _measure() -> dict:
+    # On a thread of its own: a trace in progress on the caller's thread (a model being jitted) would stage these
+    # computations instead of running them.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        onednn_s = pool.submit(_time_products, "onednn").result()
+        xla_s = pool.submit(_time_products, "xla").result()
+    return {"onednn_s": onednn_s, "xla_s": xla_s, "onednn": xla_s >= AUTO_MIN_SPEEDUP * onednn_s}
+
+
+@functools.cache
+def auto_choice() -> dict:
+    """Whether "auto" takes oneDNN on this machine: `{"onednn_s", "xla_s", "onednn"}`, the seconds of `AUTO_SHAPE`'s
+    forward and backward products by each backend and the verdict (oneDNN at least `AUTO_MIN_SPEEDUP` times faster).
+
+    Measured once per machine (`_machine_key`: about a second) and kept in `<cache root>/onednn_auto.json`, which
+    later processes read, so every run on the machine takes the same backend; a new CPU, kernel or JAX measures
+    again. Where the file cannot be written, the measurement is kept for this process only. Call it where the kernel
+    can run (`problem()` is "").
+    """
+    key = _machine_key()
+    path = Path(default_cache_root()) / AUTO_FILE
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    record = known.get(key)
+    if isinstance(record, dict) and {"onednn_s", "xla_s", "onednn"} <= record.keys():
+        return record
+    record = _measure()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=AUTO_FILE, suffix=".tmp", delete=False) as tmp:
+            json.dump({**known, key: record}, tmp, indent=1)
+        Path(tmp.name).replace(path)
+    except OSError:
+        pass
+    return record
+
+
 def use_onednn(backend: str, dtype) -> bool:
     """Whether the model's products of `dtype` go to oneDNN under `model.cpu_matmul=backend` (see module doc).
 
@@ -181,23 +267,31 @@ def use_onednn(backend: str, dtype) -> bool:
         return True
     if backend != "auto":
         raise ValueError(f"model.cpu_matmul={backend!r}: expected one of {CPU_MATMUL_BACKENDS}")
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and bool(cpu_bf16_units()) and not problem()
+    runs_here = jax.default_backend() == "cpu" and jax.device_count() == 1 and bool(cpu_bf16_units())
+    return runs_here and not problem() and bool(auto_choice()["onednn"])
 
 
 def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -> jax.Array:
-    """`op(a) @ op(b)` by the FFI target; `op` transposes a 2-D operand when its flag is set."""
+    """`op(a) @ op(b)` by the FFI target; `op` transposes the last two axes when its flag is set. Leading axes (the
+    same for both operands) are batch axes: folded into one for the kernel's batched product."""
     loaded, why = _load()
     if not loaded:
         raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
-    m = a.shape[1] if trans_a else a.shape[0]
-    n = b.shape[0] if trans_b else b.shape[1]
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), out_dtype), vmap_method="sequential")
-    return call(a, b, trans_a=np.int64(trans_a), trans_b=np.int64(trans_b))
+    if a.ndim != b.ndim or a.ndim < 2 or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"onednn.dot: operands {a.shape} and {b.shape} need the same batch axes before 2 matrix axes")
+    batch = a.shape[:-2]
+    m = a.shape[-1] if trans_a else a.shape[-2]
+    n = b.shape[-2] if trans_b else b.shape[-1]
+    if len(batch) > 1:
+        a, b = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*a.shape[:-2], m, n), out_dtype), vmap_method="sequential")
+    return call(a, b, trans_a=np.int64(trans_a), trans_b=np.int64(trans_b)).reshape(*batch, m, n)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def dot(a: jax.Array, b: jax.Array, trans_b: bool = False, out_dtype=jnp.bfloat16) -> jax.Array:
-    """`a [M, K] @ b [K, N]` (or `a @ b.T` for `b [N, K]` with `trans_b`) by oneDNN, as `out_dtype`.
+    """`a [..., M, K] @ b [..., K, N]` (or `a @ b.T` for `b [..., N, K]` with `trans_b`) by oneDNN, as `out_dtype`;
+    leading axes, the same in both operands, index a batch of independent products (attention's heads).
 
     `a` and `b` are both bfloat16 or both float32 (the kernel checks); `out_dtype` is bfloat16 or float32 and the
     accumulation is float32 either way. Differentiable in both operands (see the module docstring)."""

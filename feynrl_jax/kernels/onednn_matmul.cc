@@ -1,10 +1,12 @@
-// A 2-D matrix product through oneDNN, called from XLA:CPU as a typed FFI custom call.
+// A matrix product through oneDNN, 2-D or batched, called from XLA:CPU as a typed FFI custom call.
 //
 // XLA:CPU computes bfloat16 dots in float32 after widening the operands; oneDNN runs them on the CPU's bf16
 // instructions (AVX-512-BF16 `vdpbf16ps`, or AMX tiles on CPUs that have them) with float32 accumulation.
 //
 //   out[M, N] = op(a) @ op(b),  op(a) = a [M, K] or a^T with a [K, M] (trans_a),
-//                               op(b) = b [K, N] or b^T with b [N, K] (trans_b).
+//                               op(b) = b [K, N] or b^T with b [N, K] (trans_b);
+//   batched: operands and result all 3-D, [Bt, ...], one such product per index of the leading axis
+//   (attention's per-head products).
 //
 // a and b share one element type (bf16 or f32); out is bf16 or f32. Transposes are read through strides, so the
 // backward pass (dx = dy @ w^T, dw = x^T @ dy) needs no copies.
@@ -44,7 +46,7 @@ bool dnnl_type(ffi::DataType type, dnnl::memory::data_type* out) {
 // descriptor costs tens of microseconds, as much as a decode step's small products themselves. Per thread, because
 // a oneDNN primitive must not run on two threads at once (its scratchpad is its own; this build does not enable
 // concurrent execution), and XLA runs independent products of one shape (gate and up, k and v) concurrently.
-using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, int, int>;
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, int, int>;
 
 dnnl::matmul cached_matmul(const Key& key, const dnnl::memory::desc& a_md, const dnnl::memory::desc& b_md,
                            const dnnl::memory::desc& out_md) {
@@ -56,18 +58,27 @@ dnnl::matmul cached_matmul(const Key& key, const dnnl::memory::desc& a_md, const
   return matmul;
 }
 
-// A [rows, cols] view of a row-major 2-D buffer: [rows, cols] itself, or [cols, rows] read transposed when `trans`.
-dnnl::memory::desc view(int64_t rows, int64_t cols, dnnl::memory::data_type type, bool trans) {
-  return trans ? dnnl::memory::desc({rows, cols}, type, {1, rows}) : dnnl::memory::desc({rows, cols}, type, {cols, 1});
+// A [rows, cols] view of a row-major 2-D buffer: [rows, cols] itself, or [cols, rows] read transposed when `trans`;
+// with `batch` > 0 a [batch, rows, cols] view of `batch` such matrices stored one after the other.
+dnnl::memory::desc view(int64_t batch, int64_t rows, int64_t cols, dnnl::memory::data_type type, bool trans) {
+  dnnl::memory::dims strides = trans ? dnnl::memory::dims{1, rows} : dnnl::memory::dims{cols, 1};
+  if (batch == 0) return dnnl::memory::desc({rows, cols}, type, strides);
+  return dnnl::memory::desc({batch, rows, cols}, type, {rows * cols, strides[0], strides[1]});
 }
 
 ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, int64_t trans_a,
                   int64_t trans_b) {
-  auto a_dims = a.dimensions();
-  auto b_dims = b.dimensions();
-  auto out_dims = out->dimensions();
-  if (a_dims.size() != 2 || b_dims.size() != 2 || out_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("onednn_matmul: operands and result must be 2-D");
+  const size_t rank = a.dimensions().size();
+  if ((rank != 2 && rank != 3) || b.dimensions().size() != rank || out->dimensions().size() != rank) {
+    return ffi::Error::InvalidArgument("onednn_matmul: operands and result must be all 2-D or all 3-D");
+  }
+  // The matrix axes: the last two; a leading batch axis when 3-D (batch = 0 marks a 2-D product).
+  const int64_t* a_dims = a.dimensions().begin() + rank - 2;
+  const int64_t* b_dims = b.dimensions().begin() + rank - 2;
+  const int64_t* out_dims = out->dimensions().begin() + rank - 2;
+  const int64_t batch = rank == 3 ? a.dimensions()[0] : 0;
+  if (rank == 3 && (b.dimensions()[0] != batch || out->dimensions()[0] != batch)) {
+    return ffi::Error::InvalidArgument("onednn_matmul: batch sizes do not agree");
   }
   const int64_t m = trans_a ? a_dims[1] : a_dims[0];
   const int64_t k = trans_a ? a_dims[0] : a_dims[1];
@@ -84,17 +95,17 @@ ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
       !dnnl_type(out->element_type(), &out_type)) {
     return ffi::Error::InvalidArgument("onednn_matmul: operands must both be bf16 or f32, the result bf16 or f32");
   }
-  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (m == 0 || n == 0 || (rank == 3 && batch == 0)) return ffi::Error::Success();
   if (k == 0) {  // an empty sum
     std::memset(out->untyped_data(), 0, out->size_bytes());
     return ffi::Error::Success();
   }
   try {
     dnnl::engine& engine = cpu_engine();
-    auto a_md = view(m, k, in_type, trans_a);
-    auto b_md = view(k, n, in_type, trans_b);
-    auto out_md = dnnl::memory::desc({m, n}, out_type, {n, 1});
-    Key key{m, k, n, trans_a != 0, trans_b != 0, static_cast<int>(in_type), static_cast<int>(out_type)};
+    auto a_md = view(batch, m, k, in_type, trans_a);
+    auto b_md = view(batch, k, n, in_type, trans_b);
+    auto out_md = view(batch, m, n, out_type, false);
+    Key key{batch, m, k, n, trans_a != 0, trans_b != 0, static_cast<int>(in_type), static_cast<int>(out_type)};
     dnnl::matmul matmul = cached_matmul(key, a_md, b_md, out_md);
     dnnl::memory a_mem(a_md, engine, a.untyped_data());
     dnnl::memory b_mem(b_md, engine, b.untyped_data());

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from feynrl_jax.kernels import onednn
 from feynrl_jax.models.segments import prefix_visible
 
 _MASKED = -1e30
@@ -77,7 +78,7 @@ def round_to(x: jnp.ndarray, dtype) -> jnp.ndarray:
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, use_onednn: bool = False) -> jnp.ndarray:
     """Scaled dot-product attention; the softmax runs in float32.
 
     Args:
@@ -86,6 +87,9 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray) ->
             `h // (H / K)`); q's dtype or a wider one (`decoder.cache_dtype`) holding values of q's dtype.
         v: `[B, K, S, Dh]` values, in k's dtype.
         mask: `[B, T, S]` bool, True where attending is allowed.
+        use_onednn: the two batched products run in oneDNN (`feynrl_jax.kernels.onednn`, the decoder's
+            `model.cpu_matmul` choice) when q, k and v are all bfloat16: scores accumulate in float32 as XLA's do,
+            on the CPU's bf16 instructions instead of XLA:CPU's float32 rate. A wider cache keeps XLA.
 
     Returns:
         `[B, T, H, Dh]` in the dtype of `q`.
@@ -97,7 +101,12 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray) ->
     # stacked along the rows. Head-major operands let XLA:CPU run plain batched GEMMs, forward and backward
     # (about 2x faster than the equivalent 5-D einsum on CPU; keys as [Dh, S] halve decode attention again).
     q = q.reshape(b, t, kv_heads, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, dh)
-    scores = jnp.matmul(q * jnp.asarray(dh**-0.5, q.dtype), k, preferred_element_type=jnp.float32)
+    kernel = use_onednn and q.dtype == k.dtype == v.dtype == jnp.bfloat16
+    q = q * jnp.asarray(dh**-0.5, q.dtype)
+    if kernel:
+        scores = onednn.dot(q, k, False, jnp.float32)
+    else:
+        scores = jnp.matmul(q, k, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kv_heads, g, t, s)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
     # The max is only a shift for stability: it cancels in the softmax, so it needs no gradient.
@@ -108,5 +117,5 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray) ->
     # The probabilities are rounded to the compute dtype (q's) also against a wider cache (`decoder.cache_dtype`: a
     # float32 cache of bfloat16 values on a CPU), so the product equals bfloat16 operands widened by XLA:CPU.
     probs = probs.astype(v.dtype) if v.dtype == q.dtype else round_to(probs, q.dtype)
-    out = jnp.matmul(probs, v)
+    out = onednn.dot(probs, v, False, v.dtype) if kernel else jnp.matmul(probs, v)
     return out.reshape(b, kv_heads, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)

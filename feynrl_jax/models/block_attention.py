@@ -247,7 +247,8 @@ def block_keys(x: jax.Array, blocks: Blocks) -> jax.Array:
 
     On a CPU they are widened to float32 (XLA:CPU widens a bfloat16 product's operands anyway): a key's gradient
     then adds the parts of its two or three slots in float32 and is rounded once, as the dense product's is. On an
-    accelerator they keep their dtype, and in bfloat16 those parts are added in bfloat16.
+    accelerator they keep their dtype, and in bfloat16 those parts are added in bfloat16. (With attention's products
+    in oneDNN, `attend_in_blocks` narrows them back: each part is rounded to bfloat16, then they are added.)
     """
     b = x.shape[0]
     q = blocks.block
@@ -273,7 +274,9 @@ def unblock(x: jax.Array, blocks: Blocks, batch: int) -> jax.Array:
     return x.reshape(batch, -1, *x.shape[2:])[:, : blocks.width]
 
 
-def attend_in_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Blocks, window: jax.Array | None) -> jax.Array:
+def attend_in_blocks(
+    q: jax.Array, k: jax.Array, v: jax.Array, blocks: Blocks, window: jax.Array | None, use_onednn: bool = False
+) -> jax.Array:
     """Packed attention in blocks of queries: `attention.attend` under `attention.packed_mask`, for every real token.
 
     Args:
@@ -282,6 +285,7 @@ def attend_in_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Blocks, w
         v: `[B, T, K, Dh]` values.
         blocks: the rows' `Blocks` (`block_structure`).
         window: scalar int32 sliding window (`attention.within_window`), or None.
+        use_onednn: the products in oneDNN (`attention.attend`).
 
     Returns:
         `[B, T, H, Dh]` in the dtype of `q`.
@@ -290,5 +294,8 @@ def attend_in_blocks(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Blocks, w
     if window is not None:
         mask = mask & within_window(blocks.query_positions, window, blocks.key_positions)
     keys, values = block_keys(k, blocks), block_keys(v, blocks)
-    out = attend(block_queries(q, blocks), keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3), mask)
+    if use_onednn:  # oneDNN multiplies bfloat16 operands: back to k's dtype (exact, they hold its values); each
+        # slot's key gradient is then rounded to it before the slots' parts are added
+        keys, values = keys.astype(k.dtype), values.astype(v.dtype)
+    out = attend(block_queries(q, blocks), keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3), mask, use_onednn)
     return unblock(out, blocks, q.shape[0])

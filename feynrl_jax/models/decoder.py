@@ -353,7 +353,7 @@ def forward(
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
     """
     dtype = jnp.dtype(config.compute_dtype)
-    mm = onednn.use_onednn(config.cpu_matmul, dtype)  # the projections' products in oneDNN (bfloat16 on a CPU)
+    mm = onednn.use_onednn(config.cpu_matmul, dtype)  # the products in oneDNN (bfloat16 on a CPU)
     params = as_param_dtype(params, config)
     # Every layer weight is used in the compute dtype: the whole stack is cast once, before the layers, so the
     # backward pass writes each layer's gradient into a stack of that dtype and widens the stack once at the end.
@@ -409,9 +409,9 @@ def forward(
 
     def packed_attention(q, k, v, window):
         if blocks is not None:
-            return block_attention.attend_in_blocks(q, k, v, blocks, window), None
+            return block_attention.attend_in_blocks(q, k, v, blocks, window, mm), None
         mask = row_mask if window is None else row_mask & within_window(positions, window)
-        return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask), None
+        return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask, mm), None
 
     def cached_attention(q, k, v, window, ck, cv, at):
         """Writes k, v into the cache `ck [..., B, K, Dh, S]`, `cv [..., B, K, S, Dh]` at index `at` (a tuple
@@ -426,7 +426,7 @@ def forward(
         if attend_len is not None and attend_len < cache_len:
             keys, values = keys[..., :attend_len], values[..., :attend_len, :]
         mask = cache_mask(positions, keys.shape[-1], window)
-        return attend(q, keys, values, mask), (ck, cv)
+        return attend(q, keys, values, mask, mm), (ck, cv)
 
     policy = config.resolved_remat(remat)
     if policy != "none":
