@@ -53,7 +53,9 @@ TEST_WORKERS ?= 2
 # tests/run_pytest.py is pytest without the interpreter's native teardown, which once crashed after a passing session.
 test: lint
 	cache=$$(mktemp -d -t feynrl_jax_test_compile_cache_XXXXXX) && trap 'rm -rf "$$cache"' EXIT && \
-	export JAX_COMPILATION_CACHE_DIR="$$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 && \
+	trap 'exit 130' INT && trap 'exit 143' TERM && \
+	export JAX_COMPILATION_CACHE_DIR="$$cache" \
+		JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="$${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}" && \
 	$(BIN)/python tests/run_pytest.py -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" && \
 	$(BIN)/python tests/run_pytest.py -q -m serial
 	$(MAKE) test-notebooks

@@ -251,6 +251,7 @@ FAKE_SRUN = """
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.serial  # its coordinator's port is picked free, then bound: nothing beside it may take it in between
 def test_slurm_sbatch_joins_one_process_per_node(workspace, tmp_path):
     write_executable(tmp_path / "bin" / "srun", FAKE_SRUN)
     # multihost derives the coordinator port, 20000 + job id mod 20000, from the job id: choose a free one.
@@ -326,6 +327,7 @@ def ray_head():
 
 @pytest.mark.slow
 @pytest.mark.ray
+@pytest.mark.serial  # the head's ports are picked free, then bound: nothing beside it may take them in between
 def test_ray_cluster_sh_joins_the_cluster(ray_head, tmp_path):
     head_env, ports, temp_dir = ray_head
     env = dict(head_env, RAY_ADDRESS=f"http://127.0.0.1:{ports['dashboard-port']}")

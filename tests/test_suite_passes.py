@@ -37,6 +37,7 @@ def test_self_timed_and_short_timeout_tests_run_in_the_serial_pass_and_ray_runs_
     } <= modules
     assert "tests/test_rl_pipeline.py::test_async_generation_overlaps_training" in serial
     assert "tests/test_checkpoint_resume.py::test_sigkill_mid_save_never_leaves_a_loadable_partial_checkpoint" in serial
+    assert "tests/test_launch_scripts.py::test_ray_cluster_sh_joins_the_cluster" in serial  # binds ports it picked
     if importlib.util.find_spec("vllm") is not None:  # without vLLM the tier's modules are skipped at import
         assert "tests_vllm/test_rl_vllm.py" in modules
     # Ray and multi-process runs that only wait on generous deadlines share the cores in the first pass.

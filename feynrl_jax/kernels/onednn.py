@@ -16,9 +16,9 @@ projection (`decoder.forward`, `attention.attend`, `decoder.logits`):
 - "auto" (default): oneDNN when the compute dtype is bfloat16, JAX runs on one CPU device, the CPU has bfloat16
   matrix instructions, the library is built and oneDNN was measured faster than XLA on this machine
   (`auto_choice`); XLA otherwise (float32 gains nothing: both run at the same rate). bf16 instructions are not
-  enough: on a 2-core Intel Xeon with AVX-512-BF16 (no AMX) oneDNN's bfloat16 products ran at 0.6x XLA's float32
-  rate, as PyTorch's did, where an AMD EPYC's ran at 2x and an AMX Xeon's at 1.3-4.9x
-  (`benchmarks/bench_cpu_matmul.py`).
+  enough: on a 2-core Intel Xeon with AVX-512-BF16 (no AMX) oneDNN's bfloat16 products ran at 0.6-0.7x XLA's rate,
+  about as fast as PyTorch's, where an AMD EPYC's ran at 1.7-2.5x and an AMX Xeon's at 1.3-5.4x
+  (`benchmarks/bench_cpu_matmul.py`, oneDNN bf16 over XLA bf16; README).
 - "onednn": oneDNN for bfloat16 products, refused at validation when the library is not built, and where a trainer
   starts (`run_setup.log_compute`) or a pass is traced when it cannot load, on an accelerator, in a multi-device job
   (XLA's partitioner would gather a custom call's operands onto each device) or on a CPU without AVX-512 (oneDNN 3.2
@@ -32,10 +32,14 @@ cotangent of a float32 output (the logits) is rounded to bfloat16 first, as bflo
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import json
+import logging
+import math
 import os
 import shutil
 import subprocess
@@ -51,6 +55,8 @@ import numpy as np
 from feynrl_jax.cache_dirs import default_cache_root
 from feynrl_jax.host_memory import usable_cpus
 from feynrl_jax.kernels import CPU_MATMUL_BACKENDS, ONEDNN_LIBRARY
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("onednn_matmul.cc")
 LIBRARY = ONEDNN_LIBRARY
@@ -176,7 +182,8 @@ def cpu_bf16_units() -> tuple[str, ...]:
 
 
 def _machine_key() -> str:
-    """What a measurement of "auto" holds for: the CPU model, its usable CPUs, the kernel's source, JAX's version."""
+    """What a measurement of "auto" holds for: the CPU model, the CPUs this process may use and oneDNN's OpenMP
+    threads (Ray's actors get `OMP_NUM_THREADS` set), the bf16 instructions, the kernel's source, JAX's version."""
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -184,33 +191,75 @@ def _machine_key() -> str:
     except OSError:
         pass
     units = "+".join(cpu_bf16_units()) or "none"
-    return f"{model} | {usable_cpus()} cpus | {units} | kernel {source_hash()} | jax {jax.__version__}"
+    threads = os.environ.get("OMP_NUM_THREADS") or "unset"
+    return (
+        f"{model} | {usable_cpus()} cpus | OMP_NUM_THREADS {threads} | {units} | kernel {source_hash()} "
+        f"| jax {jax.__version__}"
+    )
 
 
-def _time_products(backend: str, repeats: int = 5) -> float:
-    """Seconds (the best of `repeats`) of `AUTO_SHAPE`'s bfloat16 product and its two gradient products."""
+def _time_products(repeats: int = 5) -> tuple[float, float]:
+    """Seconds `(oneDNN, XLA)`, each the best of `repeats`, of `AUTO_SHAPE`'s bfloat16 product and its two gradient
+    products; the two backends take turns, so a change of load on the machine weighs on both."""
     m, k, n = AUTO_SHAPE
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.bfloat16)
-    product = (lambda x, w: dot(x, w)) if backend == "onednn" else (lambda x, w: x @ w)
-    step = jax.jit(jax.grad(lambda x, w: jnp.sum(product(x, w).astype(jnp.float32)), argnums=(0, 1)))
-    jax.block_until_ready(step(x, w))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(step(x, w))
-        best = min(best, time.perf_counter() - start)
-    return best
+
+    def step(product):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(product(x, w).astype(jnp.float32)), argnums=(0, 1)))
+
+    steps = (step(lambda x, w: dot(x, w)), step(lambda x, w: x @ w))
+    best = [float("inf")] * len(steps)
+    for round_ in range(1 + repeats):  # round 0 compiles
+        for i, run in enumerate(steps):
+            start = time.perf_counter()
+            grads = jax.block_until_ready(run(x, w))
+            if any(isinstance(g, jax.core.Tracer) for g in grads):  # staged into a trace, not run: no timing
+                raise RuntimeError("the timed products were traced instead of run (call this outside a trace)")
+            if round_:
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def _measure() -> dict:
-    # On a thread of its own: a trace in progress on the caller's thread (a model being jitted) would stage these
-    # computations instead of running them.
+    # On a thread of its own: JAX's trace state is per thread, and a trace in progress on the caller's (a model
+    # being jitted) would stage these computations instead of running them.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        onednn_s = pool.submit(_time_products, "onednn").result()
-        xla_s = pool.submit(_time_products, "xla").result()
+        onednn_s, xla_s = pool.submit(_time_products).result()
     return {"onednn_s": onednn_s, "xla_s": xla_s, "onednn": xla_s >= AUTO_MIN_SPEEDUP * onednn_s}
+
+
+def _valid(record) -> bool:
+    """A stored measurement: the verdict a bool, both times finite positive numbers."""
+    if not isinstance(record, dict) or not isinstance(record.get("onednn"), bool):
+        return False
+    times = [record.get(k) for k in ("onednn_s", "xla_s")]
+    return all(isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in times)
+
+
+def _stored(path: Path) -> dict:
+    """The measurements in `path` by machine key; {} where it is missing or not a JSON object."""
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Holds an exclusive lock on `path` + ".lock" (where it can be created): processes starting together measure
+    one after the other, and the later ones read the first's record."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(f"{path}.lock", "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 @functools.cache
@@ -218,30 +267,37 @@ def auto_choice() -> dict:
     """Whether "auto" takes oneDNN on this machine: `{"onednn_s", "xla_s", "onednn"}`, the seconds of `AUTO_SHAPE`'s
     forward and backward products by each backend and the verdict (oneDNN at least `AUTO_MIN_SPEEDUP` times faster).
 
-    Measured once per machine (`_machine_key`: about a second) and kept in `<cache root>/onednn_auto.json`, which
-    later processes read, so every run on the machine takes the same backend; a new CPU, kernel or JAX measures
-    again. Where the file cannot be written, the measurement is kept for this process only. Call it where the kernel
-    can run (`problem()` is "").
+    Measured once per machine (`_machine_key`; about 2 s on 2 cores) and kept in `<cache root>/onednn_auto.json`,
+    which later processes read, so every run on the machine takes the same backend; a new CPU, kernel or JAX
+    measures again, and so does a record that is not a valid measurement. Where the file cannot be written, the
+    measurement holds for this process only. Where it fails (`{"onednn": False, "error": ...}`), XLA runs, and the
+    next process tries again. Call it where the kernel can run (`problem()` is "").
     """
     key = _machine_key()
     path = Path(default_cache_root()) / AUTO_FILE
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
-    record = known.get(key)
-    if isinstance(record, dict) and {"onednn_s", "xla_s", "onednn"} <= record.keys():
+    record = _stored(path).get(key)
+    if _valid(record):
         return record
-    record = _measure()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=AUTO_FILE, suffix=".tmp", delete=False) as tmp:
-            json.dump({**known, key: record}, tmp, indent=1)
-        Path(tmp.name).replace(path)
-    except OSError:
-        pass
+    with _exclusive(path):
+        known = _stored(path)  # another process may have measured while this one waited
+        if _valid(known.get(key)):
+            return known[key]
+        try:
+            record = _measure()
+        except Exception as error:  # XLA is always there
+            log.warning("model.cpu_matmul='auto': timing oneDNN against XLA failed (%s); XLA runs", error)
+            return {"onednn": False, "error": f"{type(error).__name__}: {error}"}
+        partial = None
+        try:
+            with tempfile.NamedTemporaryFile(
+                "w", dir=path.parent, prefix=AUTO_FILE, suffix=".tmp", delete=False
+            ) as tmp:
+                partial = Path(tmp.name)
+                json.dump({**known, key: record}, tmp, indent=1)
+            partial.replace(path)
+        except OSError:
+            if partial is not None:
+                partial.unlink(missing_ok=True)
     return record
 
 
@@ -283,7 +339,7 @@ def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
     if len(batch) > 1:
-        a, b = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+        a, b = a.reshape(math.prod(batch), *a.shape[-2:]), b.reshape(math.prod(batch), *b.shape[-2:])
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*a.shape[:-2], m, n), out_dtype), vmap_method="sequential")
     return call(a, b, trans_a=np.int64(trans_a), trans_b=np.int64(trans_b)).reshape(*batch, m, n)
 

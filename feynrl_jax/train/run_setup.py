@@ -117,7 +117,11 @@ def log_compute(config: ModelConfig) -> str:
     products = "oneDNN" if onednn.use_onednn(config.cpu_matmul, config.compute_dtype) else "XLA"
     if config.cpu_matmul == "auto" and onednn.auto_choice.cache_info().currsize:  # "auto" timed both here
         measured = onednn.auto_choice()
-        products += f"; oneDNN measured at {measured['xla_s'] / measured['onednn_s']:.2f}x XLA's speed on this machine"
+        if "error" in measured:
+            products += f"; oneDNN could not be timed ({measured['error']})"
+        else:
+            ratio = measured["xla_s"] / measured["onednn_s"]
+            products += f"; oneDNN measured at {ratio:.2f}x XLA's speed on this machine"
     line = (
         f"compute in {config.compute_dtype} (params {config.param_dtype}), matrix products by {products} "
         f"(model.cpu_matmul={config.cpu_matmul!r}), remat {config.resolved_remat()!r} (model.remat={config.remat!r})"
