@@ -44,8 +44,9 @@ lint: setup
 
 # The tests that are not marked `serial` run first, TEST_WORKERS at a time (pytest-xdist, each file on one worker),
 # Ray and multi-process runs included: one at a time, the in-process tests kept two cores about 40% busy and the Ray
-# runs about 75%, waiting on process start-up and compiles. The `serial` ones (tests that time themselves or wait on
-# short timeouts, and the vLLM RL runs, which need the memory) then run one at a time with nothing beside them.
+# runs about 75%, waiting on process start-up and compiles. The `serial` ones (the bad-input runs and other tests that
+# time themselves or wait on short timeouts, the launch-script tests that bind ports they picked, and the vLLM RL runs,
+# which need the memory) then run one at a time with nothing beside them.
 # Both passes share one persistent compilation cache (tests/conftest.py), removed at the end: a program the first
 # pass compiled loads in the second.
 TEST_WORKERS ?= 2

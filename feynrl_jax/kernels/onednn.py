@@ -16,8 +16,8 @@ projection (`decoder.forward`, `attention.attend`, `decoder.logits`):
 - "auto" (default): oneDNN when the compute dtype is bfloat16, JAX runs on one CPU device, the CPU has bfloat16
   matrix instructions, the library is built and oneDNN was measured faster than XLA on this machine
   (`auto_choice`); XLA otherwise (float32 gains nothing: both run at the same rate). bf16 instructions are not
-  enough: on a 2-core Intel Xeon with AVX-512-BF16 (no AMX) oneDNN's bfloat16 products ran at 0.6-0.7x XLA's rate,
-  about as fast as PyTorch's, where an AMD EPYC's ran at 1.7-2.5x and an AMX Xeon's at 1.3-5.4x
+  enough: on a 2-core Intel Xeon with AVX-512-BF16 (no AMX) oneDNN's bfloat16 products ran at 0.6-0.7x XLA's rate
+  (0.68-0.96x PyTorch's), where an AMD EPYC's ran at 1.7-2.5x and an AMX Xeon's at 1.3-5.4x
   (`benchmarks/bench_cpu_matmul.py`, oneDNN bf16 over XLA bf16; README).
 - "onednn": oneDNN for bfloat16 products, refused at validation when the library is not built, and where a trainer
   starts (`run_setup.log_compute`) or a pass is traced when it cannot load, on an accelerator, in a multi-device job
@@ -267,11 +267,11 @@ def auto_choice() -> dict:
     """Whether "auto" takes oneDNN on this machine: `{"onednn_s", "xla_s", "onednn"}`, the seconds of `AUTO_SHAPE`'s
     forward and backward products by each backend and the verdict (oneDNN at least `AUTO_MIN_SPEEDUP` times faster).
 
-    Measured once per machine (`_machine_key`; about 2 s on 2 cores) and kept in `<cache root>/onednn_auto.json`,
-    which later processes read, so every run on the machine takes the same backend; a new CPU, kernel or JAX
-    measures again, and so does a record that is not a valid measurement. Where the file cannot be written, the
-    measurement holds for this process only. Where it fails (`{"onednn": False, "error": ...}`), XLA runs, and the
-    next process tries again. Call it where the kernel can run (`problem()` is "").
+    Measured once per machine (`_machine_key`; 1.9 s on a 2-core machine, 2.1 s on 16 AMX cores) and kept in
+    `<cache root>/onednn_auto.json`, which later processes read, so every run on the machine takes the same backend;
+    a new CPU, kernel or JAX measures again, and so does a record that is not a valid measurement. Where the file
+    cannot be written, the measurement holds for this process only. Where it fails (`{"onednn": False, "error":
+    ...}`), XLA runs, and the next process tries again. Call it where the kernel can run (`problem()` is "").
     """
     key = _machine_key()
     path = Path(default_cache_root()) / AUTO_FILE
