@@ -167,13 +167,18 @@ def problem() -> str:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """This CPU's /proc/cpuinfo flags (empty where they cannot be read)."""
+def _cpuinfo(field: str) -> str:
+    """The value of the first CPU's `field` in /proc/cpuinfo ("flags", "model name"); "" where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), "")
     except OSError:
-        return frozenset()
+        return ""
+
+
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags (empty where they cannot be read)."""
+    return frozenset(_cpuinfo("flags").split())
 
 
 def cpu_bf16_units() -> tuple[str, ...]:
@@ -184,12 +189,7 @@ def cpu_bf16_units() -> tuple[str, ...]:
 def _machine_key() -> str:
     """What a measurement of "auto" holds for: the CPU model, the CPUs this process may use and oneDNN's OpenMP
     threads (Ray's actors get `OMP_NUM_THREADS` set), the bf16 instructions, the kernel's source, JAX's version."""
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
+    model = _cpuinfo("model name") or "unknown"
     units = "+".join(cpu_bf16_units()) or "none"
     threads = os.environ.get("OMP_NUM_THREADS") or "unset"
     return (
