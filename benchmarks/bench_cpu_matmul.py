@@ -1,4 +1,4 @@
-"""GEMM rate on this CPU: XLA float32, XLA bfloat16, oneDNN bfloat16 through our FFI kernel, PyTorch bfloat16.
+"""GEMM rate on this CPU: XLA, oneDNN through our FFI kernel and PyTorch, each in float32 and in bfloat16.
 
 The shapes are SmolLM2-135M's products in a training step of `--tokens` tokens: the MLP's up projection forward
 (`[T, D] @ [D, F]`), its two gradients (`dx = dy @ W^T`, `dW = x^T @ dy`, read through strides by the kernel) and
@@ -8,8 +8,10 @@ as the best of `--repeats` after a warm-up, both libraries on every CPU this pro
 Run:
     python benchmarks/bench_cpu_matmul.py --tokens 2048
 
-Prints GFLOP/s per side and shape, and the ratio of oneDNN to XLA bfloat16 and to PyTorch bfloat16 (issue #18: the
-model's bf16 dots at PyTorch's rate). The CPU's bf16 matrix instructions (`amx_bf16`, `avx512_bf16`) are named.
+Prints GFLOP/s per side and shape, and the ratios of oneDNN to XLA in each dtype and to PyTorch bfloat16 (issue #18:
+the model's bf16 dots at PyTorch's rate; `model.cpu_matmul="auto"` takes oneDNN in a dtype where it is faster). The
+CPU's bf16 matrix instructions (`amx_bf16`, `avx512_bf16`) are named. `--tokens 32` gives a 32-row decode step's
+shapes.
 """
 
 from __future__ import annotations
@@ -69,14 +71,16 @@ def main():
         f"up dx    [{t},{f}]@[{d},{f}]^T": ((t, f), (d, f), True, "bfloat16"),
         f"logits   [{t},{d}]@[{v},{d}]^T": ((t, d), (v, d), True, "float32"),
     }
-    header = f"{'product':34s} {'XLA f32':>9s} {'XLA bf16':>9s} {'oneDNN bf16':>12s} {'torch bf16':>11s}"
-    print(header + "  oneDNN/XLA-bf16  oneDNN/torch")
+    sides = ("XLA f32", "oneDNN f32", "torch f32", "XLA bf16", "oneDNN bf16", "torch bf16")
+    header = f"{'product':34s} " + " ".join(f"{side:>11s}" for side in sides)
+    print(header + "  oneDNN/XLA f32  oneDNN/XLA bf16  oneDNN/torch bf16")
     for name, (a_shape, b_shape, trans_b, out) in shapes.items():
         measure(name, rng, a_shape, b_shape, trans_b, jnp.dtype(out), args.repeats)
 
 
 def measure(name: str, rng, a_shape, b_shape, trans_b: bool, out_dtype, repeats: int) -> None:
-    """Times `a @ b` (`a @ b.T` with `trans_b`) on the four sides and prints one row."""
+    """Times `a @ b` (`a @ b.T` with `trans_b`) on the six sides and prints one row (the bfloat16 products give
+    `out_dtype`, the float32 ones float32)."""
     import torch
 
     a32 = rng.normal(size=a_shape).astype(np.float32)
@@ -90,11 +94,14 @@ def measure(name: str, rng, a_shape, b_shape, trans_b: bool, out_dtype, repeats:
         return jnp.matmul(a, b.T if trans_b else b, preferred_element_type=wide)
 
     xla_jit = jax.jit(xla)
-    ours = jax.jit(lambda a, b: onednn.dot(a, b, trans_b, out_dtype))
-    ta, tb = torch.from_numpy(a32).bfloat16(), torch.from_numpy(b32).bfloat16()
-    tb = tb.t() if trans_b else tb
+    ours = jax.jit(lambda a, b: onednn.dot(a, b, trans_b, out_dtype if a.dtype == jnp.bfloat16 else jnp.float32))
+    t32a, t32b = torch.from_numpy(a32), torch.from_numpy(b32)
+    t32b = t32b.t() if trans_b else t32b
+    ta, tb = t32a.bfloat16(), t32b.bfloat16()
     rates = [
         flops / best_seconds(lambda: xla_jit(ja32, jb32).block_until_ready(), repeats),
+        flops / best_seconds(lambda: ours(ja32, jb32).block_until_ready(), repeats),
+        flops / best_seconds(lambda: torch.matmul(t32a, t32b), repeats),
         flops / best_seconds(lambda: xla_jit(ja16, jb16).block_until_ready(), repeats),
         flops / best_seconds(lambda: ours(ja16, jb16).block_until_ready(), repeats),
         flops / best_seconds(lambda: torch.matmul(ta, tb), repeats),
@@ -103,8 +110,8 @@ def measure(name: str, rng, a_shape, b_shape, trans_b: bool, out_dtype, repeats:
     reference = np.asarray(ja16, np.float64) @ (b64.T if trans_b else b64)
     error = np.abs(np.asarray(ours(ja16, jb16), np.float64) - reference).max() / np.abs(reference).max()
     print(
-        f"{name:34s} {rates[0] / 1e9:9.0f} {rates[1] / 1e9:9.0f} {rates[2] / 1e9:12.0f} {rates[3] / 1e9:11.0f}"
-        f"  {rates[2] / rates[1]:15.2f}x {rates[2] / rates[3]:12.2f}x   (oneDNN max error {error:.1e} of max |out|)"
+        f"{name:34s} " + " ".join(f"{rate / 1e9:11.0f}" for rate in rates) + f"  {rates[1] / rates[0]:13.2f}x "
+        f"{rates[4] / rates[3]:15.2f}x {rates[4] / rates[5]:17.2f}x   (oneDNN bf16 max error {error:.1e} of max |out|)"
     )
 
 

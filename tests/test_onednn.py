@@ -1,15 +1,16 @@
-"""The oneDNN bfloat16 matmul kernel (`feynrl_jax/kernels/onednn.py`) and the `model.cpu_matmul` switch.
+"""The oneDNN matmul kernel (`feynrl_jax/kernels/onednn.py`, bfloat16 and float32) and the `model.cpu_matmul` switch.
 
-Tolerances come from the arithmetic, never from this CPU: oneDNN multiplies bfloat16 operands exactly and
-accumulates in float32, then rounds the result to the output dtype. Against a float64 product of the same bfloat16
+Tolerances come from the arithmetic, never from this CPU: oneDNN multiplies bfloat16 or float32 operands exactly
+and accumulates in float32, then rounds the result to the output dtype. Against a float64 product of the same
 operands the error is at most the output rounding `U |ref|` (U = 2^-8 for bfloat16, 2^-24 for float32) plus the
 float32 accumulation error `K 2^-24 (|a| @ |b|)` (Higham, "Accuracy and Stability of Numerical Algorithms", 2002,
-eq. 3.5, with the first-order bound K u). Gradients are such products of the cotangent rounded to bfloat16 (one
-more U relative to the cotangent).
+eq. 3.5, with the first-order bound K u). Gradients are such products of the cotangent rounded to the operands'
+dtype (one more U of that dtype relative to the cotangent).
 
-The model-level checks (the switch reaches the compiled step, "auto" resolves by the CPU and a measurement, the
-bfloat16 step is as close to float64 as XLA's own bfloat16 step) run in a subprocess with one CPU device: the kernel
-is refused where JAX has several devices, as this test process has (conftest's 8 fake devices).
+The model-level checks (the switch reaches the compiled step, "auto" resolves by the CPU and a measurement, the bfloat16
+and float32 steps are as close to float64 as XLA's own steps, a float32 decode step keeps XLA) run in a subprocess with
+one CPU device: the kernel is refused where JAX has several devices, as this test process has (conftest's 8 fake
+devices).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def kernel():
     return onednn
 
 
-def _bf16(rng, shape):
-    return jnp.asarray(rng.normal(size=shape), jnp.float32).astype(jnp.bfloat16)
+def _normal(rng, shape, dtype=jnp.bfloat16):
+    """Standard normal samples rounded to `dtype` (bfloat16 unless given)."""
+    return jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
 
 
 def _f64(x):
@@ -69,7 +71,7 @@ def _t(x):
 
 
 def _bound(a, b, out_dtype):
-    """Elementwise error bound of `a @ b` from bf16 operands (see the module docstring)."""
+    """Elementwise error bound of `a @ b` from bf16 or float32 operands (see the module docstring)."""
     k = a.shape[-1]
     u = U_BF16 if out_dtype == jnp.bfloat16 else U_F32
     return u * np.abs(_f64(a) @ _f64(b)) + k * U_F32 * (np.abs(_f64(a)) @ np.abs(_f64(b))) + 1e-30
@@ -94,10 +96,13 @@ BATCHES = [(), (3,), (2, 3)]
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_dot_against_float64(kernel, out_dtype, trans_b, batch):
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float32])
+def test_dot_against_float64(kernel, in_dtype, out_dtype, trans_b, batch):
+    if in_dtype == jnp.float32 and out_dtype == jnp.bfloat16:
+        pytest.skip("float32 operands give a float32 result (test_kernel_refuses_mismatched_operands)")
     rng = np.random.default_rng(0)
-    a = _bf16(rng, (*batch, 37, 96))
-    b = _bf16(rng, (*batch, 53, 96) if trans_b else (*batch, 96, 53))
+    a = _normal(rng, (*batch, 37, 96), in_dtype)
+    b = _normal(rng, (*batch, 53, 96) if trans_b else (*batch, 96, 53), in_dtype)
     out = jax.jit(lambda a, b: onednn.dot(a, b, trans_b, out_dtype))(a, b)
     assert out.dtype == out_dtype and out.shape == (*batch, 37, 53)
     bm = _t(b) if trans_b else b
@@ -107,47 +112,62 @@ def test_dot_against_float64(kernel, out_dtype, trans_b, batch):
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_dot_gradients_against_float64(kernel, trans_b, batch):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_dot_gradients_against_float64(kernel, dtype, trans_b, batch):
     rng = np.random.default_rng(1)
-    a, w = _bf16(rng, (*batch, 24, 40)), rng.normal(size=(*batch, 24, 32))
-    b = _bf16(rng, (*batch, 32, 40) if trans_b else (*batch, 40, 32))
+    a, w = _normal(rng, (*batch, 24, 40), dtype), rng.normal(size=(*batch, 24, 32))
+    b = _normal(rng, (*batch, 32, 40) if trans_b else (*batch, 40, 32), dtype)
 
     def loss(a, b):
         return jnp.sum(onednn.dot(a, b, trans_b, jnp.float32) * jnp.asarray(w, jnp.float32))
 
     da, db = jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b)
-    assert da.dtype == jnp.bfloat16 and db.dtype == jnp.bfloat16
+    assert da.dtype == dtype and db.dtype == dtype
     assert da.shape == a.shape and db.shape == b.shape
-    g = _f64(jnp.asarray(w, jnp.float32).astype(jnp.bfloat16))  # the cotangent, rounded to bf16 by the kernel's VJP
+    g = _f64(jnp.asarray(w, jnp.float32).astype(dtype))  # the cotangent, rounded to the operands' dtype by the VJP
     bm = _t(_f64(b)) if trans_b else _f64(b)  # out = a @ bm
-    aw = np.abs(w)
-    # da = g @ bm.T, db = a.T @ g (or g.T @ a for the transposed b): the cotangent's rounding (U relative to |w|)
-    # plus the product's own bound.
-    ref_da, bound_da = g @ _t(bm), U_BF16 * (aw @ np.abs(_t(bm))) + _bound(g, _t(bm), jnp.bfloat16)
+    aw, u = np.abs(w), U_BF16 if dtype == jnp.bfloat16 else U_F32
+    # da = g @ bm.T, db = a.T @ g (or g.T @ a for the transposed b): the cotangent's rounding (u relative to |w|,
+    # w itself float64 here) plus the product's own bound (the gradients are rounded to the operands' dtype).
+    ref_da, bound_da = g @ _t(bm), u * (aw @ np.abs(_t(bm))) + _bound(g, _t(bm), dtype)
     left, right = (_t(g), _f64(a)) if trans_b else (_t(_f64(a)), g)
     aw_left, aw_right = (_t(aw), np.abs(_f64(a))) if trans_b else (_t(np.abs(_f64(a))), aw)
-    ref_db, bound_db = left @ right, U_BF16 * (aw_left @ aw_right) + _bound(left, right, jnp.bfloat16)
+    ref_db, bound_db = left @ right, u * (aw_left @ aw_right) + _bound(left, right, dtype)
     assert (np.abs(_f64(da) - ref_da) <= bound_da).all()
     assert (np.abs(_f64(db) - ref_db) <= bound_db).all()
 
 
-def test_attention_products_in_onednn_against_float64(kernel):
-    """`attention.attend` with its two products in oneDNN, against float64 attention of the same bfloat16 inputs.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_attention_products_in_onednn_against_float64(kernel, dtype):
+    """`attention.attend` with its two products in oneDNN, against float64 attention of the same inputs.
 
-    The pass rounds the scaled queries to bfloat16 (as XLA's bfloat16 pass does; the reference starts from the same
-    rounded values), the probabilities to bfloat16 before the second product (U relative to each term of
-    `P @ |V|`) and the output to bfloat16 (U relative); the float32 scores and sums add terms below 2^-16 relative at
-    these sizes. The bound is twice the first two."""
+    bfloat16: the pass rounds the scaled queries to bfloat16 (as XLA's bfloat16 pass does; the reference starts from
+    the same rounded values), the probabilities to bfloat16 before the second product (U relative to each term of
+    `P @ |V|`) and the output to bfloat16 (U relative); the float32 scores and sums add terms below 2^-16 relative
+    at these sizes. The bound is twice the first two.
+
+    float32: nothing is rounded to a narrower type. A score's error is at most its accumulation bound
+    `e = Dh U (|q| @ |k|)`, plus its rounding and that of subtracting the row's max (3 U of the row's largest
+    score); a softmax of scores each off by at most `max e` has every probability
+    off by a factor within `exp(+-2 max e)`, and exp, the sum over S keys and the division add `(S + 3) U` relative;
+    the second product adds `S U` relative to `P @ |V|` and the output rounding U relative to it. With `2 max e` far
+    below 1, `exp(2 max e) - 1 <= 4 max e`."""
     rng = np.random.default_rng(2)
     b, t, h, kv, dh = 2, 24, 4, 2, 32
-    q, k, v = _bf16(rng, (b, t, h, dh)), _bf16(rng, (b, kv, dh, t)), _bf16(rng, (b, kv, t, dh))
+    q, k, v = (
+        _normal(rng, (b, t, h, dh), dtype),
+        _normal(rng, (b, kv, dh, t), dtype),
+        _normal(rng, (b, kv, t, dh), dtype),
+    )
     mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))
     text = jax.jit(lambda *a: attention.attend(*a, True)).lower(q, k, v, mask).as_text()
     assert text.count(onednn.TARGET) == 2
     assert jax.jit(lambda *a: attention.attend(*a, False)).lower(q, k, v, mask).as_text().count(onednn.TARGET) == 0
-    out = _f64(jax.jit(lambda *a: attention.attend(*a, True))(q, k, v, mask))
+    out = jax.jit(lambda *a: attention.attend(*a, True))(q, k, v, mask)
+    assert out.dtype == dtype
+    out = _f64(out)
     # float64 reference: query head `i` uses KV head `i // (h / kv)`.
-    q_scaled = _f64(q * jnp.asarray(dh**-0.5, jnp.bfloat16))
+    q_scaled = _f64(q * jnp.asarray(dh**-0.5, dtype))
     heads = np.arange(h) // (h // kv)
     scores = np.einsum("bthd,bhds->bhts", q_scaled, _f64(k)[:, heads])
     scores = np.where(np.asarray(mask)[:, None], scores, -np.inf)
@@ -155,13 +175,25 @@ def test_attention_products_in_onednn_against_float64(kernel):
     probs /= probs.sum(-1, keepdims=True)
     ref = np.einsum("bhts,bhsd->bthd", probs, _f64(v)[:, heads])
     spread = np.einsum("bhts,bhsd->bthd", probs, np.abs(_f64(v)[:, heads]))
-    assert (np.abs(out - ref) <= 2 * U_BF16 * (spread + np.abs(ref))).all(), np.abs(out - ref).max()
+    if dtype == jnp.bfloat16:
+        bound = 2 * U_BF16 * (spread + np.abs(ref))
+    else:
+        score_error = dh * U_F32 * np.einsum("bthd,bhds->bhts", np.abs(q_scaled), np.abs(_f64(k))[:, heads])
+        finite = np.abs(np.where(np.isfinite(scores), scores, 0))
+        score_error += 3 * U_F32 * finite.max(-1, keepdims=True)  # rounding, and the max's shift (|s - max| <= 2 max)
+        worst = score_error.max(-1).transpose(0, 2, 1)[..., None]  # [b, t, h, 1]: over each row's keys
+        assert worst.max() < 0.1  # where exp(2 e) - 1 <= 4 e holds with room to spare
+        bound = (4 * worst + (2 * t + 3) * U_F32) * spread + U_F32 * np.abs(ref)
+    assert (np.abs(out - ref) <= bound).all(), np.abs(out - ref).max()
 
 
 def test_kernel_refuses_mismatched_operands(kernel):
     a = jnp.ones((4, 8), jnp.bfloat16)
     with pytest.raises(Exception, match="onednn_matmul: operands must both be bf16 or f32"):
         jax.block_until_ready(onednn._call(a, jnp.ones((8, 4), jnp.float32), False, False, jnp.float32))
+    with pytest.raises(ValueError, match="float32 operands give a float32 result, not bfloat16"):
+        onednn.dot(jnp.ones((4, 8)), jnp.ones((8, 4)), False, jnp.bfloat16)
+    assert onednn.dot(jnp.ones((4, 8)), jnp.ones((8, 4))).dtype == jnp.float32  # the operands' dtype by default
     empty = onednn.dot(jnp.ones((2, 3, 0, 8), jnp.bfloat16), jnp.ones((2, 3, 8, 4), jnp.bfloat16))
     assert empty.shape == (2, 3, 0, 4)
     with pytest.raises(ValueError, match="same batch axes"):
@@ -170,11 +202,12 @@ def test_kernel_refuses_mismatched_operands(kernel):
 
 def test_switch_resolution_in_this_multi_device_process(kernel):
     assert jax.device_count() > 1  # conftest
-    assert onednn.use_onednn("auto", jnp.bfloat16) is False  # several devices: XLA
-    assert onednn.use_onednn("onednn", jnp.float32) is False  # float32 gains nothing: XLA
-    assert onednn.use_onednn("xla", jnp.bfloat16) is False
-    with pytest.raises(ValueError, match="model.cpu_matmul='onednn' cannot run: the job has 8 devices"):
-        onednn.use_onednn("onednn", jnp.bfloat16)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        assert onednn.use_onednn("auto", dtype) is False  # several devices: XLA
+        assert onednn.use_onednn("xla", dtype) is False
+        with pytest.raises(ValueError, match="model.cpu_matmul='onednn' cannot run: the job has 8 devices"):
+            onednn.use_onednn("onednn", dtype)
+    assert not any(onednn.use_onednn(backend, jnp.float16) for backend in ("auto", "onednn"))  # no such kernel
 
 
 def test_a_library_built_from_another_source_is_not_loaded(kernel, monkeypatch):
@@ -229,9 +262,9 @@ def test_validation_names_the_key(kernel, tmp_path, monkeypatch):
 def auto_cache(tmp_path, monkeypatch):
     """`auto_choice` over an empty cache root of the test's own (never the user's verdict), forgotten after."""
     monkeypatch.setenv("FEYNRL_JAX_CACHE", str(tmp_path))
-    onednn.auto_choice.cache_clear()
+    onednn._auto_choice.cache_clear()
     yield tmp_path / onednn.AUTO_FILE
-    onednn.auto_choice.cache_clear()
+    onednn._auto_choice.cache_clear()
 
 
 # The timed products take 3 x 2 M K N FLOPs (about 10.9 GFLOP): no CPU runs that in under a millisecond. (Products
@@ -239,45 +272,55 @@ def auto_cache(tmp_path, monkeypatch):
 MIN_REAL_SECONDS = 1e-3
 
 
-def test_auto_times_both_backends_once_per_machine_and_follows_the_faster(kernel, auto_cache, monkeypatch):
+def test_auto_times_both_backends_once_per_machine_and_dtype_and_follows_the_faster(kernel, auto_cache, monkeypatch):
     # Measured while a jit trace is in progress on this thread, as when a model's pass is traced first.
     seen = {}
-    jax.jit(lambda x: seen.setdefault("record", onednn.auto_choice()) and x).lower(1.0)
-    measured = seen["record"]
-    assert measured["onednn_s"] > MIN_REAL_SECONDS and measured["xla_s"] > MIN_REAL_SECONDS, measured
-    assert measured["onednn"] == (measured["xla_s"] >= onednn.AUTO_MIN_SPEEDUP * measured["onednn_s"])
+    jax.jit(lambda x: seen.setdefault("record", onednn.auto_choice("bfloat16")) and x).lower(1.0)
+    measured = {"bfloat16": seen["record"], "float32": onednn.auto_choice("float32")}
+    for record in measured.values():
+        assert record["onednn_s"] > MIN_REAL_SECONDS and record["xla_s"] > MIN_REAL_SECONDS, record
+        assert record["onednn"] == (record["xla_s"] >= onednn.AUTO_MIN_SPEEDUP * record["onednn_s"])
     stored = json.loads(auto_cache.read_text())
-    assert stored == {onednn._machine_key(): measured}
+    assert stored == {onednn._record_key(dtype): record for dtype, record in measured.items()}
+    assert onednn._record_key("float32").startswith(onednn._machine_key())
     assert not list(auto_cache.parent.glob("*.tmp"))
-    # A later process reads the machine's record instead of measuring, and "auto" follows each verdict it holds
+    # A later process reads the machine's records instead of measuring, and "auto" follows each dtype's own verdict
     # (the one-device condition is met here by hand: this process has 8 fake devices).
-    monkeypatch.setattr(onednn, "_measure", lambda: pytest.fail("measured again despite the stored record"))
+    monkeypatch.setattr(onednn, "_measure", lambda dtype: pytest.fail("measured again despite the stored record"))
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     for onednn_s, verdict in ((0.01, True), (0.05, False)):
         record = {"onednn_s": onednn_s, "xla_s": 0.03, "onednn": verdict}
-        auto_cache.write_text(json.dumps({**stored, onednn._machine_key(): record}))
-        onednn.auto_choice.cache_clear()
-        assert onednn.auto_choice() == record
+        other = {"onednn_s": 0.08 - onednn_s, "xla_s": 0.03, "onednn": not verdict}
+        auto_cache.write_text(
+            json.dumps({onednn._record_key("bfloat16"): record, onednn._record_key("float32"): other})
+        )
+        onednn._auto_choice.cache_clear()
+        assert onednn.auto_choice("bfloat16") == record and onednn.auto_choice("float32") == other
         assert onednn.use_onednn("auto", jnp.bfloat16) == (verdict and bool(onednn.cpu_bf16_units()))
-        assert not onednn.use_onednn("auto", jnp.float32)
+        assert onednn.use_onednn("auto", jnp.float32) == (not verdict)
+        assert not onednn.use_onednn("auto", jnp.float32, one_token=True)  # a float32 decode step keeps XLA
+        assert onednn.use_onednn("onednn", jnp.float32, one_token=True)  # unless forced
+        assert onednn.use_onednn("auto", jnp.bfloat16, one_token=True) == onednn.use_onednn("auto", jnp.bfloat16)
     # Another machine's record (another CPU, kernel or JAX) does not count for this one, nor does a broken record.
     fresh = {"onednn_s": 1.0, "xla_s": 2.0, "onednn": True}
-    monkeypatch.setattr(onednn, "_measure", lambda: fresh)
+    monkeypatch.setattr(onednn, "_measure", lambda dtype: fresh)
+    key = onednn._record_key("bfloat16")
     for broken in (
         None,
         {"onednn_s": 0.01, "xla_s": 0.03, "onednn": "false"},
         {"onednn_s": 0, "xla_s": 1, "onednn": True},
     ):
-        auto_cache.write_text(json.dumps({"other cpu | 2 cpus": record, onednn._machine_key(): broken}))
-        onednn.auto_choice.cache_clear()
-        assert onednn.auto_choice() == fresh
-        assert json.loads(auto_cache.read_text()) == {"other cpu | 2 cpus": record, onednn._machine_key(): fresh}
+        auto_cache.write_text(json.dumps({"other cpu | 2 cpus | bfloat16": record, key: broken}))
+        onednn._auto_choice.cache_clear()
+        assert onednn.auto_choice("bfloat16") == fresh
+        assert json.loads(auto_cache.read_text()) == {"other cpu | 2 cpus | bfloat16": record, key: fresh}
     # A measurement that fails leaves XLA in charge and nothing stored, so the next process tries again.
     auto_cache.unlink()
-    monkeypatch.setattr(onednn, "_measure", lambda: 1 / 0)
-    onednn.auto_choice.cache_clear()
-    assert onednn.auto_choice() == {"onednn": False, "error": "ZeroDivisionError: division by zero"}
-    assert not onednn.use_onednn("auto", jnp.bfloat16) and not auto_cache.exists()
+    monkeypatch.setattr(onednn, "_measure", lambda dtype: 1 / 0)
+    onednn._auto_choice.cache_clear()
+    assert onednn.auto_choice("bfloat16") == {"onednn": False, "error": "ZeroDivisionError: division by zero"}
+    assert not onednn.use_onednn("auto", jnp.bfloat16) and not onednn.use_onednn("auto", jnp.float32)
+    assert not auto_cache.exists()
 
 
 _ONE_DEVICE = textwrap.dedent(
@@ -312,18 +355,23 @@ _ONE_DEVICE = textwrap.dedent(
     from feynrl_jax.train import run_setup
     bf16_auto = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul="auto")
     out = {"auto": onednn.use_onednn("auto", jnp.bfloat16), "units": list(onednn.cpu_bf16_units()),
-           "choice": onednn.auto_choice(),
+           "choice": onednn.auto_choice("bfloat16"),
            "log": run_setup.log_compute(bf16_auto),
+           "auto_f32": onednn.use_onednn("auto", jnp.float32), "choice_f32": onednn.auto_choice("float32"),
+           "log_f32": run_setup.log_compute(dataclasses.replace(base, cpu_matmul="auto")),
            "auto_remat": base.__class__(remat="auto").resolved_remat()}
-    for backend, remat in (("xla", "none"), ("onednn", "none"), ("onednn", "full"), ("onednn", "dots")):
-        config = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul=backend, remat=remat)
+    runs = [("bfloat16", "xla", "none"), ("bfloat16", "onednn", "none"), ("bfloat16", "onednn", "full"),
+            ("bfloat16", "onednn", "dots"), ("float32", "xla", "none"), ("float32", "onednn", "none")]
+    for dtype, backend, remat in runs:
+        config = dataclasses.replace(base, compute_dtype=dtype, cpu_matmul=backend, remat=remat)
         text = jax.jit(lambda p: sequence_logprobs(p, tokens, positions, config=config)[0]).lower(params).as_text()
         grad_text = jax.jit(jax.grad(
             lambda p: sequence_logprobs(p, tokens, positions, config=config)[0].sum())).lower(params).as_text()
         loss, g = grads(config, params)
         errors = [float(np.abs(np.asarray(a, np.float64) - r).max() / np.abs(r).max())
                   for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(ref))]
-        out[backend if remat == "none" else f"{backend}-{remat}"] = {
+        name = backend if remat == "none" else f"{backend}-{remat}"
+        out[name if dtype == "bfloat16" else f"{name}-float32"] = {
                         "calls": text.count(onednn.TARGET), "grad_calls": grad_text.count(onednn.TARGET),
                         "loss_error": abs(float(loss) - ref_loss),
                         "grad_error": max(errors)}
@@ -335,6 +383,14 @@ _ONE_DEVICE = textwrap.dedent(
     bounds.check(np.asarray(segment_positions), np.asarray(ids))
     assert bounds.pays(48, base.num_kv_heads / base.num_heads)
     blocked = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul="onednn")
+    # A float32 decode step (one token per row): XLA under "auto" whatever the measurement, oneDNN when forced.
+    from feynrl_jax.models import KVCache, init_cache
+    cache = init_cache(base, 2, 32)
+    step = lambda config: jax.jit(lambda p, c: decoder.logits(p, decoder.forward(
+        p, tokens[:, :1], positions[:, :1], config=config, cache=c)[0], config=config)).lower(params, cache)
+    out["decode_f32_calls"] = step(dataclasses.replace(base, cpu_matmul="auto")).as_text().count(onednn.TARGET)
+    forced = step(dataclasses.replace(base, cpu_matmul="onednn")).as_text().count(onednn.TARGET)
+    assert forced == 10, forced
     out["blocked_calls"] = jax.jit(lambda p: decoder.forward(
         p, jnp.tile(tokens, (1, 2)), segment_positions,
         config=blocked, segment_ids=ids, segment_bounds=bounds)[0]).lower(params).as_text().count(onednn.TARGET)
@@ -365,6 +421,10 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
     assert ("matrix products by oneDNN" in result["log"]) == result["auto"]
     assert ("x XLA's speed on this machine" in result["log"]) == bool(result["units"])
     assert result["auto_remat"] == "full"
+    # float32 follows its own measurement, whatever the CPU's bf16 instructions.
+    assert result["auto_f32"] == result["choice_f32"]["onednn"]
+    assert ("matrix products by oneDNN" in result["log_f32"]) == result["auto_f32"]
+    assert "x XLA's speed on this machine" in result["log_f32"] and "compute in float32" in result["log_f32"]
     # Both bf16 passes differ from float64 by bf16 roundings of the same products; oneDNN rounds at most as often as
     # XLA (both accumulate in float32), so its error is bounded by XLA's own plus a few U.
     # With recomputation ("full", the CPU's "auto", and "dots", which keeps oneDNN's outputs by name) the same.
@@ -377,3 +437,12 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
         assert result[run]["calls"] == 10, run
         for key in ("loss_error", "grad_error"):
             assert result[run][key] <= 2 * result["xla"][key] + 4 * U_BF16, (run, result)
+    # float32: the same calls. Both backends multiply float32 operands and accumulate in float32, in different
+    # orders, so oneDNN's distance to float64 is held to XLA's own, doubled, plus a margin of K U with K = 384,
+    # the longest contraction here (the tied output projection's input gradient sums over the vocabulary): one
+    # product's first-order bound relative to |a| @ |b|. The loss and the relative gradient errors are of order
+    # 1e-7 to 1e-6 (a few U) either way; the margin is 2.3e-5.
+    assert result["xla-float32"]["calls"] == 0 and result["onednn-float32"]["calls"] == 10
+    assert result["decode_f32_calls"] == 0
+    for key in ("loss_error", "grad_error"):
+        assert result["onednn-float32"][key] <= 2 * result["xla-float32"][key] + 384 * U_F32, result

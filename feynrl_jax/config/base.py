@@ -51,8 +51,9 @@ def base_config() -> ConfigDict:
     # Rematerialisation in the backward pass: "auto" ("full" on a CPU, where it is no slower in float32 and faster in
     # bfloat16; "none" on accelerators) | "none" | "full" (recompute each layer) | "dots" (keep matmul outputs).
     config.model.remat = "auto"
-    # bfloat16 products on a CPU (feynrl_jax/kernels/onednn.py): "auto" (oneDNN on a CPU with bf16 instructions,
-    # one device, the kernel built by `make setup`; else XLA) | "onednn" (refused where it cannot run) | "xla".
+    # The model's matrix products on a CPU (feynrl_jax/kernels/onednn.py): "auto" (oneDNN where it was measured
+    # faster than XLA on this machine in the compute dtype, bfloat16 or float32, on one device, with the kernel built
+    # by `make setup`, and for bfloat16 bf16 instructions; else XLA) | "onednn" (refused where it cannot run) | "xla".
     config.model.cpu_matmul = "auto"
     # LoRA (Hu et al. 2021; docs/LORA.md): with rank > 0 only low-rank adapters on `targets` train; the base weights
     # stay frozen, the reference model is the base with the adapters off, and RL weight syncs carry the adapters.

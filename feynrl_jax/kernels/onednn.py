@@ -1,10 +1,14 @@
-"""bfloat16 matrix products through oneDNN on x86-64 CPUs, reached from JAX as an XLA FFI custom call.
+"""Matrix products through oneDNN on x86-64 CPUs (bfloat16 and float32), reached from JAX as an XLA FFI custom call.
 
 Why: XLA:CPU widens bfloat16 dot operands to float32 and multiplies at the float32 rate, so a bfloat16 model is no
 faster than a float32 one on a CPU. oneDNN runs the same product on the CPU's bfloat16 instructions (AMX tiles
 where the CPU has `amx_bf16`, `vdpbf16ps` where it has `avx512_bf16`) with float32 accumulation, as PyTorch does
 on these CPUs. Measured on a 2-core AMD EPYC with AVX-512-BF16 and no AMX, a 2048x576x1536 product: XLA bfloat16
 196 GFLOP/s, XLA float32 211, oneDNN bfloat16 424, PyTorch bfloat16 425 (`benchmarks/bench_cpu_matmul.py`).
+Its float32 products can be faster than XLA's too: on a 2-core Intel Xeon with AVX-512, the product's input
+gradient ran at 307 against 276 GFLOP/s and the output projection at 228 against 202 (the product itself at 224
+against 242), and a float32 forward and backward pass of SmolLM2-135M ran 1.11x faster with them
+(`benchmarks/bench_model_fwd_bwd.py --backends xla,onednn`).
 
 The kernel (`onednn_matmul.cc`) is compiled against the `onednn-cpu-gomp` wheel's library and headers and XLA's
 FFI headers (`jax.ffi.include_dir()`) by `build`, which `make setup` runs; the library lands beside this file.
@@ -12,21 +16,22 @@ Without it (no compiler, no oneDNN) every product stays with XLA. The library re
 compiled from; one built from another version of `onednn_matmul.cc` is not loaded (`make setup` rebuilds it).
 
 `model.cpu_matmul` picks the backend of the decoder's projections, attention's two batched products and the output
-projection (`decoder.forward`, `attention.attend`, `decoder.logits`):
-- "auto" (default): oneDNN when the compute dtype is bfloat16, JAX runs on one CPU device, the CPU has bfloat16
-  matrix instructions, the library is built and oneDNN was measured faster than XLA on this machine
-  (`auto_choice`); XLA otherwise (float32 gains nothing: both run at the same rate). bf16 instructions are not
-  enough: on a 2-core Intel Xeon with AVX-512-BF16 (no AMX) oneDNN's bfloat16 products ran at 0.6-0.7x XLA's rate
-  (0.68-0.96x PyTorch's), where an AMD EPYC's ran at 1.7-2.5x and an AMX Xeon's at 1.3-5.4x
-  (`benchmarks/bench_cpu_matmul.py`, oneDNN bf16 over XLA bf16; README).
-- "onednn": oneDNN for bfloat16 products, refused at validation when the library is not built, and where a trainer
-  starts (`run_setup.log_compute`) or a pass is traced when it cannot load, on an accelerator, in a multi-device job
-  (XLA's partitioner would gather a custom call's operands onto each device) or on a CPU without AVX-512 (oneDNN 3.2
-  has no bfloat16 matmul there).
+projection (`decoder.forward`, `attention.attend`, `decoder.logits`), for a bfloat16 or float32 compute dtype:
+- "auto" (default): oneDNN where JAX runs on one CPU device, the library is built, oneDNN was measured faster than XLA
+  on this machine in the compute dtype (`auto_choice`), and for bfloat16 the CPU has bfloat16 matrix instructions; XLA
+  otherwise. The measurement decides, not the CPU's flags: on a 2-core Intel Xeon with AVX-512-BF16 (no AMX) oneDNN's
+  bfloat16 products ran at 0.6-0.7x XLA's rate (0.68-0.96x PyTorch's) while its float32 ones ran at 1.10-1.20x (the
+  measured product and its two gradient products together), where an AMD EPYC's bfloat16 ones ran at 1.7-2.5x and an AMX
+  Xeon's at 1.3-5.4x (`benchmarks/bench_cpu_matmul.py`; README).
+- "onednn": oneDNN for bfloat16 and float32 products, refused at validation when the library is not built, and
+  where a trainer starts (`run_setup.log_compute`) or a pass is traced when it cannot load, on an accelerator, in a
+  multi-device job (XLA's partitioner would gather a custom call's operands onto each device) or, for bfloat16, on
+  a CPU without AVX-512 (oneDNN 3.2 has no bfloat16 matmul there).
 - "xla": always XLA.
 
 The gradient (`dot`'s custom VJP) is two more oneDNN products that read the transposes through strides; the
-cotangent of a float32 output (the logits) is rounded to bfloat16 first, as bfloat16 autocast does in PyTorch.
+cotangent of a float32 output (the logits of a bfloat16 model) is rounded to bfloat16 first, as bfloat16 autocast
+does in PyTorch; a float32 model's products and gradients stay float32.
 """
 
 from __future__ import annotations
@@ -72,7 +77,9 @@ up-projection over 8 x 256 tokens."""
 AUTO_MIN_SPEEDUP = 1.1
 """"auto" takes oneDNN where it ran at least this much faster than XLA (a margin over timing noise)."""
 AUTO_FILE = "onednn_auto.json"
-"""The file under the cache root (`cache_dirs.default_cache_root`) that keeps each machine's measurement."""
+"""The file under the cache root (`cache_dirs.default_cache_root`) that keeps each machine's measurement per dtype."""
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+"""The operand dtypes the kernel multiplies."""
 
 
 def source_hash() -> str:
@@ -198,18 +205,23 @@ def _machine_key() -> str:
     )
 
 
-def _time_products(repeats: int = 5) -> tuple[float, float]:
-    """Seconds `(oneDNN, XLA)`, each the best of `repeats`, of `AUTO_SHAPE`'s bfloat16 product and its two gradient
-    products; the two backends take turns, so a change of load on the machine weighs on both."""
+def _record_key(dtype: str) -> str:
+    """The key of a measurement of products in `dtype` on this machine (`_machine_key`)."""
+    return f"{_machine_key()} | {dtype}"
+
+
+def _time_products(dtype: str = "bfloat16", repeats: int = 5) -> tuple[float, float]:
+    """Seconds `(oneDNN, XLA)`, each the best of `repeats`, of `AUTO_SHAPE`'s product in `dtype` and its two
+    gradient products; the two backends take turns, so a change of load on the machine weighs on both."""
     m, k, n = AUTO_SHAPE
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), dtype)
 
     def step(product):
         return jax.jit(jax.grad(lambda x, w: jnp.sum(product(x, w).astype(jnp.float32)), argnums=(0, 1)))
 
-    steps = (step(lambda x, w: dot(x, w)), step(lambda x, w: x @ w))
+    steps = (step(lambda x, w: dot(x, w, out_dtype=x.dtype)), step(lambda x, w: x @ w))
     best = [float("inf")] * len(steps)
     for round_ in range(1 + repeats):  # round 0 compiles
         for i, run in enumerate(steps):
@@ -222,11 +234,11 @@ def _time_products(repeats: int = 5) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def _measure() -> dict:
+def _measure(dtype: str = "bfloat16") -> dict:
     # On a thread of its own: JAX's trace state is per thread, and a trace in progress on the caller's (a model
     # being jitted) would stage these computations instead of running them.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        onednn_s, xla_s = pool.submit(_time_products).result()
+        onednn_s, xla_s = pool.submit(_time_products, dtype).result()
     return {"onednn_s": onednn_s, "xla_s": xla_s, "onednn": xla_s >= AUTO_MIN_SPEEDUP * onednn_s}
 
 
@@ -262,18 +274,24 @@ def _exclusive(path: Path):
         yield
 
 
-@functools.cache
-def auto_choice() -> dict:
-    """Whether "auto" takes oneDNN on this machine: `{"onednn_s", "xla_s", "onednn"}`, the seconds of `AUTO_SHAPE`'s
-    forward and backward products by each backend and the verdict (oneDNN at least `AUTO_MIN_SPEEDUP` times faster).
+def auto_choice(dtype) -> dict:
+    """Whether "auto" takes oneDNN for products in `dtype` (bfloat16 or float32) on this machine: `{"onednn_s",
+    "xla_s", "onednn"}`, the seconds of `AUTO_SHAPE`'s forward and backward products in `dtype` by each backend and
+    the verdict (oneDNN at least `AUTO_MIN_SPEEDUP` times faster).
 
-    Measured once per machine (`_machine_key`; 1.9 s on a 2-core machine, 2.1 s on 16 AMX cores) and kept in
+    Measured once per machine and dtype (`_machine_key`; 1.9 s on a 2-core machine, 2.1 s on 16 AMX cores) and kept in
     `<cache root>/onednn_auto.json`, which later processes read, so every run on the machine takes the same backend;
     a new CPU, kernel or JAX measures again, and so does a record that is not a valid measurement. Where the file
     cannot be written, the measurement holds for this process only. Where it fails (`{"onednn": False, "error":
     ...}`), XLA runs, and the next process tries again. Call it where the kernel can run (`problem()` is "").
     """
-    key = _machine_key()
+    return _auto_choice(jnp.dtype(dtype).name)
+
+
+@functools.cache
+def _auto_choice(dtype: str) -> dict:
+    """`auto_choice` for a dtype's name, once per process."""
+    key = _record_key(dtype)
     path = Path(default_cache_root()) / AUTO_FILE
     record = _stored(path).get(key)
     if _valid(record):
@@ -283,7 +301,7 @@ def auto_choice() -> dict:
         if _valid(known.get(key)):
             return known[key]
         try:
-            record = _measure()
+            record = _measure(dtype)
         except Exception as error:  # XLA is always there
             log.warning("model.cpu_matmul='auto': timing oneDNN against XLA failed (%s); XLA runs", error)
             return {"onednn": False, "error": f"{type(error).__name__}: {error}"}
@@ -301,20 +319,28 @@ def auto_choice() -> dict:
     return record
 
 
-def use_onednn(backend: str, dtype) -> bool:
+def use_onednn(backend: str, dtype, one_token: bool = False) -> bool:
     """Whether the model's products of `dtype` go to oneDNN under `model.cpu_matmul=backend` (see module doc).
+
+    `one_token`: the pass feeds one token per row (a decode step). Under "auto" a float32 decode step keeps XLA:
+    its products have as many rows as the batch has sequences, and on the 2-core Intel Xeon where oneDNN's float32
+    products ran 1.1-1.2x faster at 2048 rows (`auto_choice`), decode steps of 32 and 8 rows with them ran at
+    1.03-1.06x and 0.92-0.95x XLA's speed (`benchmarks/bench_decode_step.py --backends xla,onednn`): nothing to
+    gain where the engine decodes a batch's tail in 8 rows or fewer (`NativeEngine`'s `narrow_tail`). bfloat16
+    decode steps follow the measurement.
 
     Raises:
         ValueError: `backend="onednn"` where it cannot run (not loadable, not a CPU, several devices), naming
             `model.cpu_matmul`.
     """
-    if backend == "xla" or jnp.dtype(dtype) != jnp.bfloat16:
+    dtype = jnp.dtype(dtype)
+    if backend == "xla" or dtype not in KERNEL_DTYPES:
         return False
     if backend == "onednn":
         why = problem()
         if not why and jax.default_backend() != "cpu":
             why = f"JAX runs on {jax.default_backend()!r}, not a CPU"
-        if not why and not cpu_bf16_units() and not set(AVX512_CORE) <= _cpu_flags():
+        if not why and dtype == jnp.bfloat16 and not cpu_bf16_units() and not set(AVX512_CORE) <= _cpu_flags():
             why = "this CPU has neither bf16 instructions nor AVX-512, where oneDNN 3.2 has no bfloat16 matmul"
         if not why and jax.device_count() > 1:
             why = f"the job has {jax.device_count()} devices; the kernel runs where there is one"
@@ -323,8 +349,18 @@ def use_onednn(backend: str, dtype) -> bool:
         return True
     if backend != "auto":
         raise ValueError(f"model.cpu_matmul={backend!r}: expected one of {CPU_MATMUL_BACKENDS}")
-    runs_here = jax.default_backend() == "cpu" and jax.device_count() == 1 and bool(cpu_bf16_units())
-    return runs_here and not problem() and bool(auto_choice()["onednn"])
+    if one_token and dtype == jnp.float32:
+        return False
+    return auto_applies(dtype) and bool(auto_choice(dtype)["onednn"])
+
+
+def auto_applies(dtype) -> bool:
+    """Whether "auto" times oneDNN against XLA for products of `dtype` here (`auto_choice`): a dtype the kernel
+    multiplies, JAX on one CPU device, the kernel loadable, and for bfloat16 a CPU with bf16 instructions."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in KERNEL_DTYPES or (dtype == jnp.bfloat16 and not cpu_bf16_units()):
+        return False
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and not problem()
 
 
 def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -> jax.Array:
@@ -335,6 +371,8 @@ def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -
         raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
     if a.ndim != b.ndim or a.ndim < 2 or a.shape[:-2] != b.shape[:-2]:
         raise ValueError(f"onednn.dot: operands {a.shape} and {b.shape} need the same batch axes before 2 matrix axes")
+    if a.dtype == jnp.float32 and jnp.dtype(out_dtype) != jnp.float32:
+        raise ValueError(f"onednn.dot: float32 operands give a float32 result, not {jnp.dtype(out_dtype).name}")
     batch = a.shape[:-2]
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
@@ -345,13 +383,15 @@ def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def dot(a: jax.Array, b: jax.Array, trans_b: bool = False, out_dtype=jnp.bfloat16) -> jax.Array:
-    """`a [..., M, K] @ b [..., K, N]` (or `a @ b.T` for `b [..., N, K]` with `trans_b`) by oneDNN, as `out_dtype`;
-    leading axes, the same in both operands, index a batch of independent products (attention's heads).
+def dot(a: jax.Array, b: jax.Array, trans_b: bool = False, out_dtype=None) -> jax.Array:
+    """`a [..., M, K] @ b [..., K, N]` (or `a @ b.T` for `b [..., N, K]` with `trans_b`) by oneDNN, as `out_dtype`
+    (None: the operands' dtype); leading axes, the same in both operands, index a batch of independent products
+    (attention's heads).
 
-    `a` and `b` are both bfloat16 or both float32 (the kernel checks); `out_dtype` is bfloat16 or float32 and the
-    accumulation is float32 either way. Differentiable in both operands (see the module docstring)."""
-    return _call(a, b, False, trans_b, out_dtype)
+    `a` and `b` are both bfloat16 or both float32 (the kernel checks); `out_dtype` is bfloat16 or float32 for
+    bfloat16 operands, float32 for float32 ones, and the accumulation is float32 either way. Differentiable in both
+    operands (see the module docstring)."""
+    return _call(a, b, False, trans_b, a.dtype if out_dtype is None else out_dtype)
 
 
 def _dot_fwd(a, b, trans_b, out_dtype):
@@ -385,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     if not loaded:
         print(f"oneDNN kernel built at {path} but {why}", file=sys.stderr)
         return 1
-    units = ", ".join(cpu_bf16_units()) or "none (model.cpu_matmul='auto' keeps XLA)"
+    units = ", ".join(cpu_bf16_units()) or "none (model.cpu_matmul='auto' keeps XLA for bfloat16)"
     print(f"oneDNN kernel built: {path}; this CPU's bf16 matrix instructions: {units}")
     return 0
 

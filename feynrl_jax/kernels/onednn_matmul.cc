@@ -53,7 +53,10 @@ dnnl::matmul cached_matmul(const Key& key, const dnnl::memory::desc& a_md, const
   thread_local std::map<Key, dnnl::matmul> cache;
   auto found = cache.find(key);
   if (found != cache.end()) return found->second;
-  dnnl::matmul matmul(dnnl::matmul::primitive_desc(cpu_engine(), a_md, b_md, out_md));
+  // Strict float math: float32 products stay float32 even where ONEDNN_DEFAULT_FPMATH_MODE allows bf16 or tf32.
+  dnnl::primitive_attr attr;
+  attr.set_fpmath_mode(dnnl::fpmath_mode::strict);
+  dnnl::matmul matmul(dnnl::matmul::primitive_desc(cpu_engine(), a_md, b_md, out_md, attr));
   cache.emplace(key, matmul);
   return matmul;
 }

@@ -88,8 +88,9 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, us
         v: `[B, K, S, Dh]` values, in k's dtype.
         mask: `[B, T, S]` bool, True where attending is allowed.
         use_onednn: the two batched products run in oneDNN (`feynrl_jax.kernels.onednn`, the decoder's
-            `model.cpu_matmul` choice) when q, k and v are all bfloat16: scores accumulate in float32 as XLA's do,
-            on the CPU's bf16 instructions instead of XLA:CPU's float32 rate. A wider cache keeps XLA.
+            `model.cpu_matmul` choice) when q, k and v share one dtype (bfloat16 or float32): scores accumulate in
+            float32 as XLA's do (bfloat16 on the CPU's bf16 instructions instead of XLA:CPU's float32 rate). A wider
+            cache than q keeps XLA.
 
     Returns:
         `[B, T, H, Dh]` in the dtype of `q`.
@@ -101,7 +102,7 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, us
     # stacked along the rows. Head-major operands let XLA:CPU run plain batched GEMMs, forward and backward
     # (about 2x faster than the equivalent 5-D einsum on CPU; keys as [Dh, S] halve decode attention again).
     q = q.reshape(b, t, kv_heads, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, dh)
-    kernel = use_onednn and q.dtype == k.dtype == v.dtype == jnp.bfloat16
+    kernel = use_onednn and q.dtype == k.dtype == v.dtype
     q = q * jnp.asarray(dh**-0.5, q.dtype)
     if kernel:
         scores = onednn.dot(q, k, False, jnp.float32)

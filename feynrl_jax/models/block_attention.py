@@ -294,7 +294,7 @@ def attend_in_blocks(
     if window is not None:
         mask = mask & within_window(blocks.query_positions, window, blocks.key_positions)
     keys, values = block_keys(k, blocks), block_keys(v, blocks)
-    if use_onednn:  # oneDNN multiplies bfloat16 operands: back to k's dtype (exact, they hold its values); each
+    if use_onednn:  # oneDNN multiplies operands of one dtype: back to k's dtype (exact, they hold its values); each
         # slot's key gradient is then rounded to it before the slots' parts are added
         keys, values = keys.astype(k.dtype), values.astype(v.dtype)
     out = attend(block_queries(q, blocks), keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3), mask, use_onednn)

@@ -67,8 +67,9 @@ class ModelConfig:
         remat: default rematerialisation policy of `forward`: "none", "full" (recompute every layer in the
             backward pass), "dots" (keep matmul outputs, recompute the rest) or "auto" ("full" when JAX runs on a
             CPU, "none" elsewhere; `resolved_remat`).
-        cpu_matmul: backend of the projections', attention's and output projection's bfloat16 products on a CPU: "xla",
-            "onednn" or "auto" (`feynrl_jax.kernels.onednn`). Runs set it from `model.cpu_matmul` ("auto").
+        cpu_matmul: backend of the projections', attention's and output projection's products (bfloat16 or float32)
+            on a CPU: "xla", "onednn" or "auto" (`feynrl_jax.kernels.onednn`). Runs set it from `model.cpu_matmul`
+            ("auto").
         bos_token_id, eos_token_id, pad_token_id: special tokens (eos may be a tuple), or None.
         lora_rank: r of the low-rank adapters on `lora_targets` (Hu et al. 2021, `feynrl_jax.models.lora`); 0: no
             adapters. The params then hold `lora_a`/`lora_b` beside each target's kernel.

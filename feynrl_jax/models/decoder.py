@@ -220,7 +220,7 @@ def _matmul(x: jax.Array, kernel: jax.Array, dtype, use_onednn: bool = False) ->
     Folding the batch and time axes into one keeps the dot and both of its gradients plain 2-D GEMMs, which
     XLA:CPU runs near its matmul peak; the same contraction written as a 3-D einsum ran its backward pass
     about 1.5x slower on CPU (benchmarks/bench_model_fwd_bwd.py). `use_onednn`: the product runs in oneDNN
-    (`feynrl_jax.kernels.onednn`, bfloat16 on a CPU's bf16 instructions).
+    (`feynrl_jax.kernels.onednn`: bfloat16 on a CPU's bf16 instructions, or float32).
     """
     b, t, n = x.shape
     x2, kernel = x.reshape(b * t, n), kernel.astype(dtype)
@@ -353,7 +353,7 @@ def forward(
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
     """
     dtype = jnp.dtype(config.compute_dtype)
-    mm = onednn.use_onednn(config.cpu_matmul, dtype)  # the products in oneDNN (bfloat16 on a CPU)
+    mm = onednn.use_onednn(config.cpu_matmul, dtype, tokens.shape[1] == 1)  # the products in oneDNN (on a CPU)
     params = as_param_dtype(params, config)
     # Every layer weight is used in the compute dtype: the whole stack is cast once, before the layers, so the
     # backward pass writes each layer's gradient into a stack of that dtype and widens the stack once at the end.
@@ -523,7 +523,7 @@ def logits(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Arr
     tied = config.tie_word_embeddings
     weight = params["embed"]["embedding"] if tied else params["lm_head"]["kernel"]
     weight = as_param_dtype(weight, config).astype(dtype)
-    if onednn.use_onednn(config.cpu_matmul, dtype):
+    if onednn.use_onednn(config.cpu_matmul, dtype, hidden.shape[1] == 1):
         b, t, d = hidden.shape
         out = onednn.dot(hidden.reshape(b * t, d), weight, tied, jnp.float32)
         return checkpoint_name(out, ONEDNN_DOT).reshape(b, t, -1)

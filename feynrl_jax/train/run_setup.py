@@ -105,7 +105,7 @@ def tokenizer_size(tokenizer: Any) -> int:
 
 
 def log_compute(config: ModelConfig) -> str:
-    """Logs (and returns) how a trainer computes: dtype, the backend of its bfloat16 products, remat.
+    """Logs (and returns) how a trainer computes: dtype, the backend of its matrix products, remat.
 
     Called where a trainer has its devices, so `model.cpu_matmul="onednn"` that cannot run fails at start-up.
 
@@ -115,8 +115,8 @@ def log_compute(config: ModelConfig) -> str:
     from feynrl_jax.kernels import onednn
 
     products = "oneDNN" if onednn.use_onednn(config.cpu_matmul, config.compute_dtype) else "XLA"
-    if config.cpu_matmul == "auto" and onednn.auto_choice.cache_info().currsize:  # "auto" timed both here
-        measured = onednn.auto_choice()
+    if config.cpu_matmul == "auto" and onednn.auto_applies(config.compute_dtype):  # "auto" timed both
+        measured = onednn.auto_choice(jax.numpy.dtype(config.compute_dtype).name)
         if "error" in measured:
             products += f"; oneDNN could not be timed ({measured['error']})"
         else:
