@@ -11,12 +11,12 @@ The design follows JetStream (Google's JAX inference engine) and the continuous 
     only to the power-of-two prefix of the cache that the live sequences reach;
   - between dispatches the host collects the new tokens, checks stop strings, and refills every finished slot
     with the next waiting sequence at once (continuous refill), instead of waiting for the whole batch;
-  - once no sequence waits, the live slots are gathered into a narrower batch whenever they fit in a quarter of
-    the current one (`narrow_tail`): the long tail of an RL batch, a few sequences still running after most have
-    stopped, then decodes with products of a few rows instead of all of them (vLLM schedules only running
-    sequences to the same effect). Each row keeps its own PRNG stream (`sampling.row_keys`), so its random draws
-    do not depend on the batch it decodes in, and its tokens neither, up to a near tie that products of another
-    width round differently.
+  - once no sequence waits and the longest live one may run two more dispatches, the live slots are gathered into a
+    narrower batch whenever they fit in a quarter of the current one (`narrow_tail`): the long tail of an RL batch,
+    a few sequences still running after most have stopped, then decodes with products of a few rows instead of all
+    of them (vLLM schedules only running sequences to the same effect). Each row keeps its own PRNG stream
+    (`sampling.row_keys`), so its random draws do not depend on the batch it decodes in, and its tokens neither, up
+    to a near tie that products of another width round differently.
 
 The engine shares the trainer's model code (`feynrl_jax.models.forward`), so its behaviour log-probabilities
 equal `feynrl_jax.models.sequence_logprobs` at the same temperature to float tolerance when top-k/top-p are
@@ -67,9 +67,11 @@ class NativeEngine:
       min_prefill_bucket: the smallest prefill bucket (a power of two).
       continuous_refill: refill a finished slot at once (True) or only when every slot is free (False, "static
         batching", kept for benchmarks).
-      narrow_tail: once no sequence waits, decode the live slots in a batch of `num_slots / 4^k` rows when they fit
-        (each width compiles its own dispatch); False keeps every dispatch at `num_slots` rows (benchmarks). Off
-        where `cache_sharding` shards the slot axis.
+      narrow_tail: once no sequence waits and a live one may run two more dispatches (its length cap), decode the
+        live slots in a batch of `num_slots / 4^k` rows when they fit (each width compiles its own dispatch);
+        False keeps every dispatch at `num_slots` rows (benchmarks). Off where `cache_sharding` shards the slot
+        axis. A short tail (the demo's 16 new tokens, 8 steps per dispatch) stays in the whole batch: its first
+        step had paid for compiling the narrower dispatches without gaining from them.
       detokenize: token ids -> text; needed for `SamplingParams.stop_strings`.
       param_shardings: optional pytree of shardings matching `params`.
       cache_sharding: optional sharding of the KV cache as if stacked (k `[L, slots, K, Dh, S]`, v `[L, slots, K,
@@ -269,7 +271,10 @@ class NativeEngine:
                         slot_row[slot] = row
                 if all(r is None for r in slot_row):
                     break
-                if not waiting:
+                # The longest a live row may still run; a narrower batch only pays (its compiled dispatch, the
+                # gather) over at least two more dispatches.
+                left = max(caps[rows[row][0]] - len(out_tokens[row]) for row in slot_row if row is not None)
+                if not waiting and left >= 2 * self.decode_steps_per_dispatch:
                     narrowed, slot_row = self._narrow(state, slot_row)
                     if narrowed is not state:
                         whole = state if whole is None else whole

@@ -242,7 +242,8 @@ def test_engine_recovers_after_an_error_mid_generation(engine):
 
 
 def test_the_tail_decodes_in_a_narrower_batch_with_the_same_tokens(params):
-    """Once no sequence waits, the live slots move into a batch of a quarter, then a sixteenth, of the slots (free
+    """Once no sequence waits and one may run two more dispatches, the live slots move into a batch of a quarter,
+    then a sixteenth, of the slots (free
     slots filling the rows they leave): the same tokens (each row keeps its own PRNG stream; this tiny model has no
     near ties), the trainer's log-probs, fewer slot-steps, and the engine's whole-width state back for the next
     call, also after a call that failed while narrowed."""
@@ -268,6 +269,9 @@ def test_the_tail_decodes_in_a_narrower_batch_with_the_same_tokens(params):
     np.testing.assert_allclose(out["narrow"].behavior_logprobs, out["wide"].behavior_logprobs, atol=1e-5, rtol=0)
     for i, ref in enumerate(_trainer_logprobs(params, out["narrow"], 1.0)):
         np.testing.assert_allclose(out["narrow"].behavior_logprobs[i, : len(ref)], ref, atol=1e-5, rtol=0)
+    # A short tail (the longest live row has less than two dispatches left) stays in the whole batch.
+    narrow.generate(prompts, sampling_params, max_new_tokens=[2] * 13 + [4, 4, 5])
+    assert narrow.last_stats["narrowings"] == 0
     # The next call starts from the whole-width state again, and samples the same rows the same way.
     again = narrow.generate(prompts, sampling_params, max_new_tokens=caps)
     np.testing.assert_array_equal(again.completion_ids, out["narrow"].completion_ids)
