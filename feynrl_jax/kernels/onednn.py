@@ -210,7 +210,7 @@ def _record_key(dtype: str) -> str:
     return f"{_machine_key()} | {dtype}"
 
 
-def _time_products(dtype: str = "bfloat16", repeats: int = 5) -> tuple[float, float]:
+def _time_products(dtype: str, repeats: int = 5) -> tuple[float, float]:
     """Seconds `(oneDNN, XLA)`, each the best of `repeats`, of `AUTO_SHAPE`'s product in `dtype` and its two
     gradient products; the two backends take turns, so a change of load on the machine weighs on both."""
     m, k, n = AUTO_SHAPE
@@ -234,7 +234,7 @@ def _time_products(dtype: str = "bfloat16", repeats: int = 5) -> tuple[float, fl
     return best[0], best[1]
 
 
-def _measure(dtype: str = "bfloat16") -> dict:
+def _measure(dtype: str) -> dict:
     # On a thread of its own: JAX's trace state is per thread, and a trace in progress on the caller's (a model
     # being jitted) would stage these computations instead of running them.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
