@@ -46,11 +46,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from feynrl_jax.models import KVCache, ModelConfig, as_param_dtype, lora, unstack_layers
+from feynrl_jax.models import KVCache, ModelConfig, as_param_dtype, lora
 from feynrl_jax.rollout import sampling as sampling_lib
 from feynrl_jax.rollout.decode import decode_dispatch
 from feynrl_jax.rollout.prefill import bucket_lengths, pick_bucket, prefill
-from feynrl_jax.rollout.slots import DecodeState, deactivate, init_state, insert, take
+from feynrl_jax.rollout.slots import DecodeState, deactivate, init_state, insert, insert_prefix, take
 from feynrl_jax.rollout.stop_strings import StopStringMatcher
 from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, assemble_rollouts
 
@@ -138,18 +138,42 @@ class NativeEngine:
                 keys=replicated,
             )
         self._state_shardings = state_shardings
-        constrain = (
-            (lambda s: s)
-            if state_shardings is None
-            else (lambda s: jax.lax.with_sharding_constraint(s, state_shardings))
-        )
+
+        def constrain(state):
+            return state if state_shardings is None else jax.lax.with_sharding_constraint(state, state_shardings)
+
         self._init_state = jax.jit(
             functools.partial(init_state, config, num_slots, cache_len), out_shardings=state_shardings
         )
         self._prefill = jax.jit(functools.partial(prefill, config=config))
-        self._insert = jax.jit(lambda state, *args: constrain(insert(state, *args)), donate_argnums=0)
-        self._deactivate = jax.jit(lambda state, done: constrain(deactivate(state, done)), donate_argnums=0)
+        # XLA:CPU compiles a kernel of its own for every array a program writes. Splitting the weights per layer
+        # and writing a prompt's KV into every layer's cache, each as one program over SmolLM2-135M's 30 layers,
+        # cost 2.0 and 1.5 s of compiling at the start of every run (`benchmarks/bench_engine_start.py`). So each
+        # is one program that serves every layer (the layer index traced), run once per layer: 0.29 and 0.08 s.
+        # Programs on the per-slot fields take the state without its cache (`_fields`) instead of passing 60
+        # arrays through. The narrowing gather stays one program over the state: per layer it compiled no faster.
+        field_shardings = None if state_shardings is None else state_shardings._replace(cache=None)
+        layer_sharding = None if state_shardings is None else state_shardings.cache.k[0]
+
+        def constrain_fields(fields):
+            return fields if field_shardings is None else jax.lax.with_sharding_constraint(fields, field_shardings)
+
+        def constrain_layer(array):
+            return array if layer_sharding is None else jax.lax.with_sharding_constraint(array, layer_sharding)
+
+        self._insert = jax.jit(lambda fields, *args: constrain_fields(insert(fields, *args)), donate_argnums=0)
+        self._deactivate = jax.jit(lambda fields, done: constrain_fields(deactivate(fields, done)), donate_argnums=0)
         self._take = jax.jit(lambda state, slots: constrain(take(state, slots)))
+        self._insert_prefix = jax.jit(
+            lambda k, v, *args: jax.tree.map(constrain_layer, insert_prefix(k, v, *args)), donate_argnums=(0, 1)
+        )
+        self._layer_of = jax.jit(
+            lambda layers, index: as_param_dtype(
+                jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), layers), config
+            )
+        )
+        self._in_param_dtype = jax.jit(lambda params: as_param_dtype(params, config))
+        self._layer_indices = [jnp.int32(i) for i in range(config.num_layers)]
 
         def dispatch(params, state, *args, **static):
             state, *outputs = decode_dispatch(
@@ -160,7 +184,6 @@ class NativeEngine:
         self._decode = jax.jit(
             dispatch, static_argnames=("greedy", "top_k", "use_top_p", "attend_len"), donate_argnums=1
         )
-        self._unstack_layers = jax.jit(lambda params: unstack_layers(as_param_dtype(params, config)))
         self._state = self._init_state()
         self.load_params(params, policy_version)
 
@@ -257,7 +280,7 @@ class NativeEngine:
         # Slots left active by an interrupted call are freed; the state is stored back even on an error, since
         # every jitted step donates (invalidates) the state it was given. While a narrower batch decodes the tail,
         # the whole-width state is kept (not donated) for the next call.
-        state = self._deactivate(self._state, jnp.ones((self.num_slots,), bool))
+        state = self._on_fields(self._deactivate, self._state, jnp.ones((self.num_slots,), bool))
         whole = None
         try:
             while True:
@@ -314,7 +337,7 @@ class NativeEngine:
                         finish[row] = FINISH_STOP if out_tokens[row][-1] in stop_set else FINISH_LENGTH
                         slot_row[slot] = None
                 if killed.any():
-                    state = self._deactivate(state, jnp.asarray(killed))
+                    state = self._on_fields(self._deactivate, state, jnp.asarray(killed))
         finally:
             self._state = state if whole is None else whole
 
@@ -349,6 +372,18 @@ class NativeEngine:
             return state, slot_row
         slots = live + [slot for slot, row in enumerate(slot_row) if row is None][: width - len(live)]
         return self._take(state, jnp.asarray(slots, jnp.int32)), [slot_row[slot] for slot in slots]
+
+    @staticmethod
+    def _on_fields(program, state: DecodeState, *args) -> DecodeState:
+        """`state` with its per-slot fields replaced by `program(fields, *args)` (the fields donated); the cache
+        stays as it is."""
+        return program(_fields(state), *args)._replace(cache=state.cache)
+
+    def _unstack_layers(self, params: Any) -> Any:
+        """`unstack_layers(as_param_dtype(params))`, one layer per call of one compiled program."""
+        rest = self._in_param_dtype({key: value for key, value in params.items() if key != "layers"})
+        layers = tuple(self._layer_of(params["layers"], index) for index in self._layer_indices)
+        return {**rest, "layers": layers}
 
     def _check_request(self, prompts, sampling: SamplingParams, max_new_tokens) -> list[int]:
         if not isinstance(sampling, SamplingParams):
@@ -398,15 +433,18 @@ class NativeEngine:
             stats["prefills"] += 1
             prefixes[prompt_index] = [prefix, sum(1 for p, _ in rows if p == prompt_index)]
         entry = prefixes[prompt_index]
+        slot_index = jnp.int32(slot)
+        ks, vs = list(state.cache.k), list(state.cache.v)
+        for layer, index in enumerate(self._layer_indices):
+            ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], entry[0], index, slot_index)
         state = self._insert(
-            state,
-            entry[0],
-            jnp.int32(slot),
+            _fields(state),
+            slot_index,
             jnp.int32(prompt[-1]),
             jnp.int32(len(prompt)),
             jnp.int32(caps[prompt_index]),
             jnp.asarray(keys[row]),
-        )
+        )._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
         entry[1] -= 1
         if entry[1] == 0:
             del prefixes[prompt_index]  # every sample inserted: free the prefix KV
@@ -414,6 +452,11 @@ class NativeEngine:
 
 
 _MIN_ATTEND_LEN = 128
+
+
+def _fields(state: DecodeState) -> DecodeState:
+    """The state's per-slot fields: the state without its cache (`cache=None`)."""
+    return state._replace(cache=None)
 
 
 def _per_layer_sharding(cache_sharding: jax.sharding.Sharding) -> jax.sharding.NamedSharding:

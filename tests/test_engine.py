@@ -7,9 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from feynrl_jax.models import ModelConfig, forward, init_params, logical_axes, logits, sequence_logprobs
+from feynrl_jax.models import (
+    KVCache,
+    ModelConfig,
+    as_param_dtype,
+    forward,
+    init_params,
+    logical_axes,
+    logits,
+    sequence_logprobs,
+    unstack_layers,
+)
 from feynrl_jax.rollout import sampling
 from feynrl_jax.rollout.native_engine import NativeEngine
+from feynrl_jax.rollout.slots import insert_prefix
 from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, RolloutEngine, Rollouts, SamplingParams
 
 CONFIG = ModelConfig(
@@ -300,3 +311,43 @@ def test_the_tail_decodes_in_a_narrower_batch_with_the_same_tokens(params):
     np.testing.assert_array_equal(
         narrow.generate(prompts, sampling_params, max_new_tokens=caps).completion_ids, out["narrow"].completion_ids
     )
+
+
+def test_engine_splits_its_weights_with_one_program_for_every_layer():
+    """The engine's per-layer weights equal `unstack_layers(as_param_dtype(...))` exactly (here float32 masters of
+    a bfloat16 model), made by one compiled program that serves every layer: a program over all layers compiled
+    a kernel per layer, seconds at the start of every run (`benchmarks/bench_engine_start.py`)."""
+    config = dataclasses.replace(CONFIG, num_layers=3, param_dtype="bfloat16", compute_dtype="bfloat16")
+    masters = init_params(dataclasses.replace(config, param_dtype="float32"), jax.random.PRNGKey(4))
+    engine = NativeEngine(config, masters, num_slots=2, cache_len=32)
+    expected = unstack_layers(as_param_dtype(masters, config))
+    assert jax.tree.structure(engine._params) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(engine._params), jax.tree.leaves(expected), strict=True):
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    engine.load_params(jax.tree.map(lambda a: a * 2, masters), 1)
+    assert engine._layer_of._cache_size() == 1
+
+
+def test_inserting_a_prompt_writes_its_slot_of_one_layer_and_nothing_else():
+    layers, slots, heads, dh, cache_len, bucket = 3, 4, 2, 5, 12, 8
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    k = jax.random.normal(keys[0], (slots, heads, dh, cache_len))
+    v = jax.random.normal(keys[1], (slots, heads, cache_len, dh))
+    prefix = KVCache(
+        k=jax.random.normal(keys[2], (layers, 1, heads, dh, bucket)),
+        v=jax.random.normal(keys[3], (layers, 1, heads, bucket, dh)),
+    )
+    new_k, new_v = jax.jit(insert_prefix)(k, v, prefix, jnp.int32(2), jnp.int32(1))
+    want_k, want_v = np.array(k), np.array(v)
+    want_k[1, :, :, :bucket] = prefix.k[2, 0]
+    want_v[1, :, :bucket] = prefix.v[2, 0]
+    np.testing.assert_array_equal(new_k, want_k)
+    np.testing.assert_array_equal(new_v, want_v)
+
+
+def test_one_insert_program_serves_every_layer_and_slot(params):
+    engine = NativeEngine(CONFIG, params, num_slots=SLOTS, cache_len=48, decode_steps_per_dispatch=4)
+    engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=3))
+    assert engine._insert_prefix._cache_size() == 1
+    assert engine._insert._cache_size() == 1
