@@ -3,19 +3,19 @@
 XLA:CPU compiles a kernel of its own for every array a program writes. The engine once had programs over all of
 SmolLM2-135M's 30 layers that it compiled at the start of every run: splitting the trainer's stacked weights into
 per-layer arrays (`unstack_layers`) and writing a prompt's KV into a slot of every layer's cache. Now each is one
-program that serves every layer (the layer index traced) and runs once per layer. Freeing slots took the whole
-state, cache included, through the engine's sharding constraint; now it takes the state without its cache
-(`rollout/native_engine.py`).
+program that serves every layer (the layer index traced) and runs once per layer, beside a small program for the
+rest: the weights outside the layers, the slot's fields. Freeing slots took the whole state, cache included, through
+the sharding constraint a sharded engine has; now it takes the state without its cache (`rollout/native_engine.py`).
 
 Each side runs in a fresh process (nothing compiled is shared), the two sides alternating for `--rounds`, and
 times each operation's first call (compile and run) and a later call (run only), float32 random weights:
-  - split: the stacked weights into 30 per-layer dicts;
-  - insert: a 64-position prompt KV into one of 32 slots of a 256-position cache, every layer;
-  - free: slots marked inactive, under the engine's sharding constraint on a one-device mesh.
+  - split: the stacked weights into 30 per-layer dicts, and the rest in the params' dtype;
+  - insert: a 64-position prompt KV into one of 32 slots of a 256-position cache, every layer, and the slot's fields;
+  - free: slots marked inactive, under a sharding constraint on a one-device mesh (as a sharded engine's).
 With `--generate`, the current engine's first and second `generate` (4 prompts x 8 samples x 16 new tokens, the
 demo's shape) are timed too: what is left of its start is compiling prefill and the decode dispatch.
 
-    python benchmarks/bench_engine_start.py --rounds 2 --generate
+    python benchmarks/bench_engine_start.py --rounds 3 --generate
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -57,24 +58,27 @@ def measure(side: str, generate: bool) -> dict[str, float]:
         return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, replicated), tree)
 
     indices = [jnp.int32(i) for i in range(layers)]
+    slot = jnp.int32(3)
+    fields_args = (jnp.int32(7), jnp.int32(50), jnp.int32(16), jnp.zeros((2,), jnp.uint32))
 
     if side == "all_layers":
         split_all = jax.jit(lambda p: unstack_layers(as_param_dtype(p, config)))
 
-        def insert_all_layers(cache, prefix, slot):
+        def insert_all_layers(state, prefix, slot, *fields_args):
             def put(arrays, new):
                 return tuple(
                     jax.lax.dynamic_update_slice(a, n.astype(a.dtype), (slot, 0, 0, 0))
                     for a, n in zip(arrays, new, strict=True)
                 )
 
-            return KVCache(k=put(cache.k, prefix.k), v=put(cache.v, prefix.v))
+            cache = KVCache(k=put(state.cache.k, prefix.k), v=put(state.cache.v, prefix.v))
+            return slots_lib.insert(state._replace(cache=cache), slot, *fields_args)
 
         insert_all = jax.jit(insert_all_layers, donate_argnums=0)
         free_all = jax.jit(lambda state, done: constrain(slots_lib.deactivate(state, done)), donate_argnums=0)
         ops = {
             "split": lambda: split_all(params),
-            "insert": lambda cache: insert_all(cache, prefix, jnp.int32(3)),
+            "insert": lambda state: insert_all(state, prefix, slot, *fields_args),
             "free": lambda state: free_all(state, done),
         }
     else:
@@ -83,33 +87,36 @@ def measure(side: str, generate: bool) -> dict[str, float]:
                 jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked), config
             )
         )
+        in_param_dtype = jax.jit(lambda rest: as_param_dtype(rest, config))
         insert_prefix = jax.jit(slots_lib.insert_prefix, donate_argnums=(0, 1))
+        insert_fields = jax.jit(slots_lib.insert, donate_argnums=0)
         free_fields = jax.jit(lambda fields, done: constrain(slots_lib.deactivate(fields, done)), donate_argnums=0)
 
-        def insert_per_layer(cache):
-            ks, vs = list(cache.k), list(cache.v)
+        def insert_per_layer(state):
+            ks, vs = list(state.cache.k), list(state.cache.v)
             for layer, index in enumerate(indices):
-                ks[layer], vs[layer] = insert_prefix(ks[layer], vs[layer], prefix, index, jnp.int32(3))
-            return KVCache(k=tuple(ks), v=tuple(vs))
+                ks[layer], vs[layer] = insert_prefix(ks[layer], vs[layer], prefix, index, slot)
+            fields = insert_fields(state._replace(cache=None), slot, *fields_args)
+            return fields._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
+
+        def split_per_layer():
+            rest = in_param_dtype({key: value for key, value in params.items() if key != "layers"})
+            return rest, tuple(layer_of(params["layers"], index) for index in indices)
 
         ops = {
-            "split": lambda: tuple(layer_of(params["layers"], index) for index in indices),
+            "split": split_per_layer,
             "insert": insert_per_layer,
             "free": lambda state: free_fields(state._replace(cache=None), done)._replace(cache=state.cache),
         }
 
     result = {}
-    cache = state.cache
     for name in ("split", "insert", "free"):
         for call in ("first", "later"):
             start = time.perf_counter()
             if name == "split":
                 out = ops[name]()
-            elif name == "insert":
-                out = cache = ops[name](cache)
             else:
-                out = state = ops[name](state._replace(cache=cache))
-                cache = state.cache
+                out = state = ops[name](state)
             jax.block_until_ready(out)
             result[f"{name}_{call}_s"] = time.perf_counter() - start
             del out
@@ -131,7 +138,7 @@ def measure(side: str, generate: bool) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--generate", action="store_true", help="also time the engine's first and second generate")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in this process
     args = parser.parse_args()
@@ -149,12 +156,12 @@ def main() -> None:
             runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"{'operation':24s} {'all layers':>12s} {'per layer':>12s} {'all / per':>10s}   (seconds, median of rounds)")
     for key in runs["all_layers"][0]:
-        old = sorted(r[key] for r in runs["all_layers"])[len(runs["all_layers"]) // 2]
-        new = sorted(r[key] for r in runs["per_layer"])[len(runs["per_layer"]) // 2]
+        old = statistics.median(r[key] for r in runs["all_layers"])
+        new = statistics.median(r[key] for r in runs["per_layer"])
         print(f"{key:24s} {old:12.3f} {new:12.3f} {old / new:9.1f}x")
     for key in runs["per_layer"][0]:
         if key not in runs["all_layers"][0]:
-            print(f"{key:24s} {'':12s} {sorted(r[key] for r in runs['per_layer'])[len(runs['per_layer']) // 2]:12.3f}")
+            print(f"{key:24s} {'':12s} {statistics.median(r[key] for r in runs['per_layer']):12.3f}")
     print(json.dumps(runs))
 
 

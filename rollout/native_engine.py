@@ -148,9 +148,9 @@ class NativeEngine:
         self._prefill = jax.jit(functools.partial(prefill, config=config))
         # XLA:CPU compiles a kernel of its own for every array a program writes. Splitting the weights per layer
         # and writing a prompt's KV into every layer's cache, each as one program over SmolLM2-135M's 30 layers,
-        # cost 2.0 and 1.5 s of compiling at the start of every run (`benchmarks/bench_engine_start.py`). So each
-        # is one program that serves every layer (the layer index traced), run once per layer: 0.29 and 0.08 s.
-        # Programs on the per-slot fields take the state without its cache (`_fields`) instead of passing 60
+        # cost seconds of compiling at the start of every run (`benchmarks/bench_engine_start.py`). So each is one
+        # program that serves every layer (the layer index traced), run once per layer.
+        # Programs on the per-slot fields take the state without its cache (`_without_cache`) instead of passing 60
         # arrays through. The narrowing gather stays one program over the state: per layer it compiled no faster.
         field_shardings = None if state_shardings is None else state_shardings._replace(cache=None)
         layer_sharding = None if state_shardings is None else state_shardings.cache.k[0]
@@ -185,6 +185,7 @@ class NativeEngine:
             dispatch, static_argnames=("greedy", "top_k", "use_top_p", "attend_len"), donate_argnums=1
         )
         self._state = self._init_state()
+        self._interrupted: DecodeState | None = None
         self.load_params(params, policy_version)
 
     def load_params(self, params: Any, version: int) -> None:
@@ -339,6 +340,8 @@ class NativeEngine:
                 if killed.any():
                     state = self._on_fields(self._deactivate, state, jnp.asarray(killed))
         finally:
+            if self._interrupted is not None:  # an insert failed part-way (`_insert_row`)
+                state, self._interrupted = self._interrupted, None
             self._state = state if whole is None else whole
 
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
@@ -377,10 +380,13 @@ class NativeEngine:
     def _on_fields(program, state: DecodeState, *args) -> DecodeState:
         """`state` with its per-slot fields replaced by `program(fields, *args)` (the fields donated); the cache
         stays as it is."""
-        return program(_fields(state), *args)._replace(cache=state.cache)
+        return program(_without_cache(state), *args)._replace(cache=state.cache)
 
     def _unstack_layers(self, params: Any) -> Any:
         """`unstack_layers(as_param_dtype(params))`, one layer per call of one compiled program."""
+        held = jax.tree.leaves(params["layers"])[0].shape[0]
+        if held != self.config.num_layers:
+            raise ValueError(f"NativeEngine: the params hold {held} layers, the model config {self.config.num_layers}")
         rest = self._in_param_dtype({key: value for key, value in params.items() if key != "layers"})
         layers = tuple(self._layer_of(params["layers"], index) for index in self._layer_indices)
         return {**rest, "layers": layers}
@@ -434,17 +440,18 @@ class NativeEngine:
             prefixes[prompt_index] = [prefix, sum(1 for p, _ in rows if p == prompt_index)]
         entry = prefixes[prompt_index]
         slot_index = jnp.int32(slot)
+        fields_args = (jnp.int32(prompt[-1]), jnp.int32(len(prompt)), jnp.int32(caps[prompt_index]), keys[row])
         ks, vs = list(state.cache.k), list(state.cache.v)
-        for layer, index in enumerate(self._layer_indices):
-            ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], entry[0], index, slot_index)
-        state = self._insert(
-            _fields(state),
-            slot_index,
-            jnp.int32(prompt[-1]),
-            jnp.int32(len(prompt)),
-            jnp.int32(caps[prompt_index]),
-            jnp.asarray(keys[row]),
-        )._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
+        try:
+            for layer, index in enumerate(self._layer_indices):
+                ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], entry[0], index, slot_index)
+        except BaseException:
+            # The layers written so far donated their old arrays: the state to keep holds the new ones (the slot
+            # is still inactive, so it is a valid state).
+            self._interrupted = state._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
+            raise
+        fields = self._insert(_without_cache(state), slot_index, *fields_args)
+        state = fields._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
         entry[1] -= 1
         if entry[1] == 0:
             del prefixes[prompt_index]  # every sample inserted: free the prefix KV
@@ -454,7 +461,7 @@ class NativeEngine:
 _MIN_ATTEND_LEN = 128
 
 
-def _fields(state: DecodeState) -> DecodeState:
+def _without_cache(state: DecodeState) -> DecodeState:
     """The state's per-slot fields: the state without its cache (`cache=None`)."""
     return state._replace(cache=None)
 

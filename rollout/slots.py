@@ -64,11 +64,12 @@ def insert(
     max_new: jax.Array,
     key: jax.Array,
 ) -> DecodeState:
-    """Makes `slot` hold one sequence whose prompt KV is in place (`insert_prefix`, every layer), jit with the state
-    donated; the slot index is traced: no recompiles.
+    """Makes `slot` hold one sequence whose prompt KV is in place (`insert_prefix`, every layer); jit with the state
+    donated, or only its per-slot fields (`cache=None`: the native engine's way, so the program writes no cache
+    array). The slot index is traced: no recompiles.
 
     Args:
-      state: the decode state.
+      state: the decode state, or its per-slot fields (`cache=None`).
       slot: scalar int32.
       last_token: scalar int32, the prompt's last token.
       prompt_length: scalar int32, prompt tokens (>= 1).

@@ -233,6 +233,9 @@ def test_tensor_parallel_engine_matches_single_device(engine, params):
     want = engine.generate(PROMPTS, sampling_params)
     np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
     np.testing.assert_allclose(got.behavior_logprobs, want.behavior_logprobs, atol=1e-5)
+    # Inserting prompts (one program per layer) and decoding keep every layer's cache on its sharding.
+    for arrays in (sharded._state.cache.k, sharded._state.cache.v):
+        assert all(a.sharding.is_equivalent_to(layer_sharding, 4) for a in arrays)
 
 
 def test_engine_recovers_after_an_error_mid_generation(engine):
@@ -351,3 +354,26 @@ def test_one_insert_program_serves_every_layer_and_slot(params):
     engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=3))
     assert engine._insert_prefix._cache_size() == 1
     assert engine._insert._cache_size() == 1
+
+
+def test_an_insert_that_fails_part_way_leaves_a_working_engine(params):
+    """Inserting a prompt runs one program per layer, each donating that layer's cache arrays: an error after some
+    layers (here the second) must leave the engine a state that holds the arrays written so far."""
+    engine = NativeEngine(CONFIG, params, num_slots=SLOTS, cache_len=48, decode_steps_per_dispatch=4)
+    sampling_params = SamplingParams(temperature=0.9, max_new_tokens=6, n=2, seed=3)
+    want = engine.generate(PROMPTS, sampling_params)
+    insert_prefix_program, calls = engine._insert_prefix, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("interrupted while inserting")
+        return insert_prefix_program(*args)
+
+    engine._insert_prefix = failing
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS, sampling_params)
+    engine._insert_prefix = insert_prefix_program
+    got = engine.generate(PROMPTS, sampling_params)  # the same programs on the same inputs: the same bits
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_array_equal(got.behavior_logprobs, want.behavior_logprobs)
