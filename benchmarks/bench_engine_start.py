@@ -150,7 +150,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for side in SIDES:
             command = [sys.executable, __file__, "--side", side] + (["--generate"] if args.generate else [])
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            # No persistent compilation cache: every round compiles, as a first run does.
+            env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false", JAX_COMPILATION_CACHE_DIR="")
+            done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
             if done.returncode:
                 sys.exit(f"side {side} failed:\n{done.stderr[-3000:]}")
             runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -185,7 +185,6 @@ class NativeEngine:
             dispatch, static_argnames=("greedy", "top_k", "use_top_p", "attend_len"), donate_argnums=1
         )
         self._state = self._init_state()
-        self._interrupted: DecodeState | None = None
         self.load_params(params, policy_version)
 
     def load_params(self, params: Any, version: int) -> None:
@@ -280,8 +279,13 @@ class NativeEngine:
 
         # Slots left active by an interrupted call are freed; the state is stored back even on an error, since
         # every jitted step donates (invalidates) the state it was given. While a narrower batch decodes the tail,
-        # the whole-width state is kept (not donated) for the next call.
-        state = self._on_fields(self._deactivate, self._state, jnp.ones((self.num_slots,), bool))
+        # the whole-width state is kept (not donated) for the next call. A call interrupted inside a step (an
+        # insert runs one program per layer) may have left arrays that were donated: then a fresh state replaces
+        # it, which changes nothing, since every slot is freed here and a free slot's cache is never read.
+        state = self._state
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+            state = self._init_state()
+        state = self._on_fields(self._deactivate, state, jnp.ones((self.num_slots,), bool))
         whole = None
         try:
             while True:
@@ -340,8 +344,6 @@ class NativeEngine:
                 if killed.any():
                     state = self._on_fields(self._deactivate, state, jnp.asarray(killed))
         finally:
-            if self._interrupted is not None:  # an insert failed part-way (`_insert_row`)
-                state, self._interrupted = self._interrupted, None
             self._state = state if whole is None else whole
 
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
@@ -384,9 +386,12 @@ class NativeEngine:
 
     def _unstack_layers(self, params: Any) -> Any:
         """`unstack_layers(as_param_dtype(params))`, one layer per call of one compiled program."""
-        held = jax.tree.leaves(params["layers"])[0].shape[0]
-        if held != self.config.num_layers:
-            raise ValueError(f"NativeEngine: the params hold {held} layers, the model config {self.config.num_layers}")
+        held = sorted({leaf.shape[0] for leaf in jax.tree.leaves(params["layers"])})
+        if held != [self.config.num_layers]:
+            want = self.config.num_layers
+            raise ValueError(f"NativeEngine: the params' layers hold {held} layers, the model config {want}")
+        # Host arrays (a rollout worker's numpy params) are placed once here, not once per layer by each call.
+        params = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jnp.asarray(a), params)
         rest = self._in_param_dtype({key: value for key, value in params.items() if key != "layers"})
         layers = tuple(self._layer_of(params["layers"], index) for index in self._layer_indices)
         return {**rest, "layers": layers}
@@ -442,14 +447,8 @@ class NativeEngine:
         slot_index = jnp.int32(slot)
         fields_args = (jnp.int32(prompt[-1]), jnp.int32(len(prompt)), jnp.int32(caps[prompt_index]), keys[row])
         ks, vs = list(state.cache.k), list(state.cache.v)
-        try:
-            for layer, index in enumerate(self._layer_indices):
-                ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], entry[0], index, slot_index)
-        except BaseException:
-            # The layers written so far donated their old arrays: the state to keep holds the new ones (the slot
-            # is still inactive, so it is a valid state).
-            self._interrupted = state._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
-            raise
+        for layer, index in enumerate(self._layer_indices):
+            ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], entry[0], index, slot_index)
         fields = self._insert(_without_cache(state), slot_index, *fields_args)
         state = fields._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
         entry[1] -= 1

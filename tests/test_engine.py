@@ -356,24 +356,35 @@ def test_one_insert_program_serves_every_layer_and_slot(params):
     assert engine._insert._cache_size() == 1
 
 
-def test_an_insert_that_fails_part_way_leaves_a_working_engine(params):
-    """Inserting a prompt runs one program per layer, each donating that layer's cache arrays: an error after some
-    layers (here the second) must leave the engine a state that holds the arrays written so far."""
+@pytest.mark.parametrize("program, failing_call", [("_insert_prefix", 2), ("_insert", 1), ("_decode", 1)])
+def test_a_call_interrupted_inside_a_step_leaves_a_working_engine(params, program, failing_call):
+    """Inserting a prompt runs one program per layer, then one on the slot's fields, each donating the arrays it is
+    given: an interruption right after one of them ran (its donated inputs deleted, its result lost) must leave an
+    engine whose next call samples what it would have."""
     engine = NativeEngine(CONFIG, params, num_slots=SLOTS, cache_len=48, decode_steps_per_dispatch=4)
     sampling_params = SamplingParams(temperature=0.9, max_new_tokens=6, n=2, seed=3)
     want = engine.generate(PROMPTS, sampling_params)
-    insert_prefix_program, calls = engine._insert_prefix, []
+    real, calls = getattr(engine, program), []
 
-    def failing(*args):
+    def interrupted(*args, **kwargs):
+        result = real(*args, **kwargs)
         calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt("interrupted while inserting")
-        return insert_prefix_program(*args)
+        if len(calls) == failing_call:
+            jax.block_until_ready(result)
+            raise KeyboardInterrupt(f"interrupted after {program}")
+        return result
 
-    engine._insert_prefix = failing
+    setattr(engine, program, interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.generate(PROMPTS, sampling_params)
-    engine._insert_prefix = insert_prefix_program
+    setattr(engine, program, real)
     got = engine.generate(PROMPTS, sampling_params)  # the same programs on the same inputs: the same bits
     np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
     np.testing.assert_array_equal(got.behavior_logprobs, want.behavior_logprobs)
+
+
+def test_params_with_another_layer_count_are_refused(params):
+    engine = NativeEngine(CONFIG, params, num_slots=SLOTS, cache_len=48)
+    three = dataclasses.replace(CONFIG, num_layers=3)
+    with pytest.raises(ValueError, match=r"params' layers hold \[3\] layers, the model config 2"):
+        engine.load_params(init_params(three, jax.random.PRNGKey(1)), 1)
