@@ -9,7 +9,8 @@ the sharding constraint a sharded engine has; now it takes the state without its
 
 Each side runs in a fresh process (nothing compiled is shared), the two sides alternating for `--rounds`, and
 times each operation's first call (compile and run) and a later call (run only), float32 random weights:
-  - split: the stacked weights into 30 per-layer dicts, and the rest in the params' dtype;
+  - split: the stacked weights into 30 per-layer dicts, and the rest in the params' dtype; split_host: the same
+    from numpy arrays, as a rollout worker receives the published weights at every weight load;
   - insert: a 64-position prompt KV into one of 32 slots of a 256-position cache, every layer, and the slot's fields;
   - free: slots marked inactive, under a sharding constraint on a one-device mesh (as a sharded engine's).
 With `--generate`, the current engine's first and second `generate` (4 prompts x 8 samples x 16 new tokens, the
@@ -44,6 +45,7 @@ def measure(side: str, generate: bool) -> dict[str, float]:
 
     config = ModelConfig.from_hf(smollm2_checkpoint_dir())
     params = jax.block_until_ready(jax.jit(init_params, static_argnums=0)(config, jax.random.PRNGKey(0)))
+    host_params = jax.tree.map(np.asarray, params)  # as a rollout worker receives them
     layers = config.num_layers
     state = jax.block_until_ready(jax.jit(slots_lib.init_state, static_argnums=(0, 1, 2))(config, 32, 256))
     prefix = KVCache(
@@ -78,6 +80,7 @@ def measure(side: str, generate: bool) -> dict[str, float]:
         free_all = jax.jit(lambda state, done: constrain(slots_lib.deactivate(state, done)), donate_argnums=0)
         ops = {
             "split": lambda: split_all(params),
+            "split_host": lambda: split_all(host_params),
             "insert": lambda state: insert_all(state, prefix, slot, *fields_args),
             "free": lambda state: free_all(state, done),
         }
@@ -99,21 +102,23 @@ def measure(side: str, generate: bool) -> dict[str, float]:
             fields = insert_fields(state._replace(cache=None), slot, *fields_args)
             return fields._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
 
-        def split_per_layer():
+        def split_per_layer(params):
+            params = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jax.device_put(a), params)
             rest = in_param_dtype({key: value for key, value in params.items() if key != "layers"})
             return rest, tuple(layer_of(params["layers"], index) for index in indices)
 
         ops = {
-            "split": split_per_layer,
+            "split": lambda: split_per_layer(params),
+            "split_host": lambda: split_per_layer(host_params),
             "insert": insert_per_layer,
             "free": lambda state: free_fields(state._replace(cache=None), done)._replace(cache=state.cache),
         }
 
     result = {}
-    for name in ("split", "insert", "free"):
+    for name in ("split", "split_host", "insert", "free"):
         for call in ("first", "later"):
             start = time.perf_counter()
-            if name == "split":
+            if name.startswith("split"):
                 out = ops[name]()
             else:
                 out = state = ops[name](state)

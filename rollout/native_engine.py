@@ -390,8 +390,9 @@ class NativeEngine:
         if held != [self.config.num_layers]:
             want = self.config.num_layers
             raise ValueError(f"NativeEngine: the params' layers hold {held} layers, the model config {want}")
-        # Host arrays (a rollout worker's numpy params) are placed once here, not once per layer by each call.
-        params = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jnp.asarray(a), params)
+        # Host arrays (a rollout worker's numpy params) are placed once here, not once per layer by each call;
+        # `device_put` (not `jnp.asarray`, which copies) lets a CPU use the host buffers as they are.
+        params = jax.tree.map(lambda a: a if isinstance(a, jax.Array) else jax.device_put(a), params)
         rest = self._in_param_dtype({key: value for key, value in params.items() if key != "layers"})
         layers = tuple(self._layer_of(params["layers"], index) for index in self._layer_indices)
         return {**rest, "layers": layers}
