@@ -78,6 +78,7 @@ def test_rl_with_lora_syncs_adapters_only(ray_session, tmp_path, algo, staleness
     else:
         assert all(np.isfinite(r["loss/critic_value"]) for r in records)
     config.checkpoint.resume = True
+    config.train.compile_ahead = False  # started to read its state back, never trained
     trainer = RLTrainer(config)
     trainer.start()
     final = jax.tree.map(np.asarray, trainer.state.params)

@@ -112,6 +112,9 @@ def base_config() -> ConfigDict:
     # RL: pack each mini-batch's sequences into as few rows as they fit in and skip the micro-batches left empty
     # (train/packed_units.py): updates cost their real tokens. Applies when a mini-batch runs in several micro-batches.
     config.train.pack_sequences = True
+    # RL: compile the update in a thread of its own from start-up, on a placeholder batch of the config's shapes,
+    # while the first batch is generated (train/rl_trainer.py); False: at the first update.
+    config.train.compile_ahead = True
     config.train.ppo_epochs = 1  # Passes over each RL batch.
     config.train.mini_batches = 1  # Optimizer updates per pass (the batch is split into this many).
     config.train.log_every = 1  # Steps between metric writes.

@@ -40,6 +40,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -68,7 +69,7 @@ from feynrl_jax.train.critic import critic_params_spec, critic_values, init_crit
 from feynrl_jax.train.frozen_logprobs import make_logprob_fn
 from feynrl_jax.train.loss_parts import logprob_diagnostic_metrics, old_logprobs_from_current, with_logprob_diagnostics
 from feynrl_jax.train.nonfinite import NonFiniteGuard, check_restored_state
-from feynrl_jax.train.packed_units import pack_units
+from feynrl_jax.train.packed_units import PackStats, pack_units
 from feynrl_jax.train.rl_batch import rollouts_to_batch, scatter_completion, sequence_reward_at_last_token
 from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_bounds, shared_prefix_rows
 from feynrl_jax.train.state import TrainState
@@ -149,6 +150,7 @@ class RLSettings:
         micro_batch_size, micro_batch_tokens: `train.micro_batch_size` and `train.micro_batch_tokens` (the trainer
             sizes its micro-batches from them, `token_budget.rl_micro_batch`).
         pack_sequences: `train.pack_sequences` (`packed_units`).
+        compile_ahead: `train.compile_ahead` (`RLTrainer._compile_update`).
         reference: `algo.reference` ("none", "initial" or a model folder).
         uses_reference: whether the reference model runs (`uses_reference`).
         gae_gamma, gae_lambda: PPO's GAE.
@@ -176,6 +178,7 @@ class RLSettings:
     micro_batch_size: int
     micro_batch_tokens: int
     pack_sequences: bool
+    compile_ahead: bool
     reference: str
     uses_reference: bool
     gae_gamma: float
@@ -213,6 +216,7 @@ def rl_settings(config: ConfigDict) -> RLSettings:
         micro_batch_size=train.micro_batch_size,
         micro_batch_tokens=train.micro_batch_tokens,
         pack_sequences=bool(train.pack_sequences),
+        compile_ahead=bool(train.compile_ahead),
         reference=algo.reference,
         uses_reference=uses_reference(config),
         gae_gamma=algo.gae_gamma,
@@ -300,6 +304,33 @@ def sequence_advantages(algorithm: Algorithm, rollouts: Rollouts, rewards: np.nd
         jnp.asarray(rewards, jnp.float32), jnp.asarray(rollouts.group_id), jnp.asarray(rollouts.completion_mask)
     )
     return np.asarray(out, np.float32)
+
+
+def placeholder_rollouts(rows: int, group_size: int, max_new_tokens: int, *, pad_id: int) -> Rollouts:
+    """Rollouts of the shapes and dtypes a rollout engine returns: what `RLTrainer` compiles its update on before
+    real ones exist.
+
+    Args:
+        rows: sampled rows (`train.global_batch_size`).
+        group_size: consecutive rows per prompt (`rollout.n_samples`).
+        max_new_tokens: the completions' width (`rollout.max_new_tokens`).
+        pad_id: the token every prompt and completion holds.
+
+    Returns:
+        `Rollouts` of one-token prompts and one-token completions, all of `pad_id`, behaviour log-probabilities 0.
+    """
+    completion_mask = np.zeros((rows, max_new_tokens), np.float32)
+    completion_mask[:, 0] = 1.0
+    return Rollouts(
+        prompt_ids=np.full((rows, 1), pad_id, np.int32),
+        prompt_lengths=np.ones(rows, np.int32),
+        completion_ids=np.full((rows, max_new_tokens), pad_id, np.int32),
+        completion_mask=completion_mask,
+        behavior_logprobs=np.zeros((rows, max_new_tokens), np.float32),
+        finish_reason=np.full(rows, FINISH_STOP, np.int32),
+        group_id=np.arange(rows, dtype=np.int32) // group_size,
+        policy_version=np.zeros(rows, np.int32),
+    )
 
 
 def build_rl_batch(
@@ -499,6 +530,9 @@ class RLTrainer:
         )
         self.state: TrainState | None = None
         self.critic_state: TrainState | None = None
+        # The update's programs compile in a thread of their own from `start` on (`_compile_update`).
+        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-update")
+        self._compiled: Future | None = None
         self.reference: Any = None
         self.policy_version = 0
         self.evaluator = None
@@ -572,7 +606,8 @@ class RLTrainer:
         return tree
 
     def start(self) -> Restored:
-        """Builds the state (fresh, or restored from the run folder's latest checkpoint).
+        """Builds the state (fresh, or restored from the run folder's latest checkpoint), then starts compiling the
+        update's programs in the background (`_compile_update`, unless `train.compile_ahead` is False).
 
         Raises:
             FileExistsError: the run folder holds checkpoints but `checkpoint.resume` is False.
@@ -602,6 +637,7 @@ class RLTrainer:
             self.state = self.train_step.init_state(params)
             self._reference_from_base()
             self.policy_version = 0
+            self._compile_ahead()
             return Restored(step=0, policy_version=0, rng=None, data_state=None)
         tree, progress = self.checkpointer.restore(self._abstract_state())
         where = os.path.join(self.checkpointer.directory, str(progress.step))
@@ -615,7 +651,58 @@ class RLTrainer:
             "resumed %s from step %d (policy version %d)", self.config.run_dir, progress.step, progress.policy_version
         )
         rng = np.asarray(jax.random.key_data(progress.rng), np.uint32)
+        self._compile_ahead()
         return Restored(progress.step, progress.policy_version, rng, progress.data_state)
+
+    def _compile_ahead(self) -> None:
+        if self.settings.compile_ahead:
+            self._compiled = self._compiler.submit(self._compile_or_warn)
+
+    def _compile_update(self) -> None:
+        """Compiles the update's programs (the policy's train step, the critic's) for this run's mini-batches.
+
+        An RL update's shapes follow from the config alone (packing keeps them, `packed_units`), so the programs
+        can compile before the first batch exists: on a placeholder batch laid out, filled and cut into a
+        mini-batch as `train` does with a real one. `start` runs this in a thread of its own while the rollout
+        worker generates the first batch and the trainer evaluates: compiling takes one core for seconds (7 s of
+        the demo's first step on the 2-core machine), and the first generation leaves one idle while it compiles
+        its own programs. `update` waits for it (`_compile_or_warn`: an error is logged, and the first update
+        compiles as it would have).
+        """
+        t0 = time.perf_counter()
+        settings = self.settings
+        rollouts = placeholder_rollouts(
+            self.plan.global_batch_size, settings.group_size, settings.max_new_tokens, pad_id=self.pad_id
+        )
+        layout = self.layout(rollouts)
+
+        def zeros(*inputs: jax.Array) -> np.ndarray:  # a no-grad pass's output: `[rows, width]` of the layout
+            return np.zeros(inputs[0].shape, np.float32)
+
+        passes = ForwardPasses(
+            proximal=(lambda *inputs: (zeros(*inputs), zeros(*inputs))) if settings.separate_old_pass else None,
+            reference=None if self.reference is None else zeros,
+            values=None if self.critic_step is None else zeros,
+        )
+        rewards = np.zeros(rollouts.prompt_ids.shape[0], np.float32)
+        batch, _ = build_rl_batch(rollouts, rewards, layout, passes, settings)
+        mini, _ = self._mini_batch(batch, np.arange(batch.tokens.shape[0] // settings.mini_batches))
+        self.train_step.compile(self.state, mini)
+        if self.critic_step is not None:
+            self.critic_step.compile(self.critic_state, mini)
+        log.info("trainer: the update compiled in %.1f s, in the background", time.perf_counter() - t0)
+
+    def _compile_or_warn(self) -> None:
+        """`_compile_update`; an error is logged, not raised: the first update then compiles as it would have."""
+        try:
+            self._compile_update()
+        except Exception:
+            log.warning("trainer: compiling the update ahead failed; the first update compiles it", exc_info=True)
+
+    def _wait_for_compile(self) -> None:
+        if self._compiled is not None:
+            compiled, self._compiled = self._compiled, None
+            compiled.result()
 
     def _reference_from_base(self) -> None:
         """With LoRA and `algo.reference="initial"`, the reference is the starting policy over the train state's own
@@ -696,6 +783,7 @@ class RLTrainer:
             NonFiniteError: too many consecutive non-finite updates of the policy or the critic
                 (`optim.max_consecutive_nonfinite`).
         """
+        self._wait_for_compile()
         order = np.random.default_rng(shuffle_seed)
         units = batch.tokens.shape[0]  # samples, or groups in the shared-prefix layout
         size = units // self.settings.mini_batches
@@ -703,12 +791,9 @@ class RLTrainer:
         for _ in range(self.settings.ppo_epochs):
             perm = order.permutation(units)
             for m in range(self.settings.mini_batches):
-                mini = _rows(batch, perm[m * size : (m + 1) * size])
-                if self.pack:
-                    mini, stats = pack_units(mini, num_micro=self.plan.grad_accum_steps, pad_id=self.pad_id)
-                    self.segment_bounds.check(mini.positions, mini.segment_ids)
+                mini, stats = self._mini_batch(batch, perm[m * size : (m + 1) * size])
+                if stats is not None:
                     packing.append(stats)
-                mini = self.train_step.place_batch(mini)
                 self.state, update_metrics = self.train_step(self.state, mini)
                 update_metrics = jax.device_get(update_metrics)
                 self.guard.check(update_metrics, step)
@@ -730,6 +815,14 @@ class RLTrainer:
         if packing:
             metrics["train/pack_fill"] = sum(s.tokens for s in packing) / max(sum(s.slots for s in packing), 1)
         return metrics
+
+    def _mini_batch(self, batch: TrainBatch, rows: np.ndarray) -> tuple[TrainBatch, PackStats | None]:
+        """The mini-batch of `batch`'s units `rows`, packed when the run packs (with what packing did), placed."""
+        mini, stats = _rows(batch, rows), None
+        if self.pack:
+            mini, stats = pack_units(mini, num_micro=self.plan.grad_accum_steps, pad_id=self.pad_id)
+            self.segment_bounds.check(mini.positions, mini.segment_ids)
+        return self.train_step.place_batch(mini), stats
 
     def train(self, rollouts: Rollouts, rewards: np.ndarray, *, step: int, shuffle_seed: int) -> dict[str, float]:
         """RL step `step` on `rollouts`: layout, batch, updates; bumps the policy version.
@@ -819,8 +912,10 @@ class RLTrainer:
         return self.host_params()
 
     def close(self) -> None:
-        """Waits for the last checkpoint and releases the evaluator's reward workers."""
+        """Waits for the last checkpoint, releases the evaluator's reward workers, and leaves a background compile
+        still running to finish on its own (a run that failed before its first update)."""
         self.checkpointer.wait_until_finished()
         self.checkpointer.close()
         if self.evaluator is not None:
             self.evaluator.close()
+        self._compiler.shutdown(wait=False, cancel_futures=True)

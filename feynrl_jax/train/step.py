@@ -204,11 +204,27 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Metric]]:
         check_divisible(batch.tokens.shape[0], self.grad_accum, self.rows_per_example, batch_size_multiple(self.mesh))
-        # Frozen params (a LoRA base) go in as their own argument, never donated: the arrays stay the same across
-        # steps, so a view of them (the reference model, ``lora.base_params(state.params)``) stays valid.
-        frozen, trained = self.params_spec.split(state.params)
-        new_state, metrics = self._jitted(dataclasses.replace(state, params=trained), frozen, batch)
+        trained, frozen = self._arguments(state)
+        new_state, metrics = self._jitted(trained, frozen, batch)
         return dataclasses.replace(new_state, params=lora.union(frozen, new_state.params)), metrics
+
+    def _arguments(self, state: TrainState) -> tuple[TrainState, Any]:
+        """``(state with the trained params alone, the frozen params)``: the jitted step's first two arguments.
+
+        Frozen params (a LoRA base) go in as their own argument, never donated: the arrays stay the same across
+        steps, so a view of them (the reference model, ``lora.base_params(state.params)``) stays valid.
+        """
+        frozen, trained = self.params_spec.split(state.params)
+        return dataclasses.replace(state, params=trained), frozen
+
+    def compile(self, state: TrainState, batch: TrainBatch) -> None:
+        """Compiles the step for ``state`` and ``batch`` (their shapes, dtypes and shardings) ahead of its first call.
+
+        The compiled program lands in the jit's cache: the first call with arrays like these runs it without
+        tracing or compiling again. Nothing runs and nothing is donated, so the trainer can compile in a thread of
+        its own while it does other work (`RLTrainer.start`).
+        """
+        self._jitted.lower(*self._arguments(state), batch).compile()
 
     @property
     def trace_count(self) -> int:

@@ -1,0 +1,107 @@
+"""The demo's first step with the update compiled ahead (`train.compile_ahead=True`, the default) and at the first
+update (`False`), side by side (`feynrl_jax/train/rl_trainer.py`, `RLTrainer._compile_update`).
+
+Runs `feynrl-jax train --config=configs/grpo_demo.py` for `--steps` steps, each run in a fresh process with JAX's
+persistent compilation cache off (every run compiles everything), the two sides alternating for `--rounds` rounds,
+in two modes:
+  - `eval`: the demo as it is: the trainer evaluates before training while the rollout worker generates the first
+    batch;
+  - `no_eval`: `eval.during_training=False`: the trainer waits for the first batch.
+Reports medians per side and mode, and the ratios off/on:
+  - `wall_seconds`: the whole command, start-up included;
+  - `first_step_seconds`: step 1 as `benchmarks/learning_vs_trl.py` charges it (`perf/step_seconds` less the
+    evaluation and the checkpoint, plus the rollout worker's time for the batch that the trainer did not wait for,
+    less the worker's first weight load, which builds its engine);
+  - `first_update_seconds`: step 1's `perf/train_update_seconds`;
+  - `first_rollout_seconds`: step 1's `perf/rollout_seconds`;
+  - `eval_before_seconds` (mode `eval`): the evaluation before training.
+
+    python benchmarks/bench_compile_ahead.py            # 2 rounds: 8 runs, about 12 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {"eval": [], "no_eval": ["--config.eval.during_training=False"]}
+
+
+def first_step_seconds(record: dict) -> float:
+    """Step 1 as `learning_vs_trl.ours_curve` charges it."""
+    wall = (
+        record["perf/step_seconds"] - record.get("perf/eval_seconds", 0.0) - record.get("perf/checkpoint_seconds", 0.0)
+    )
+    worker = record["perf/rollout_seconds"] + record.get("perf/reward_seconds", 0.0)
+    worker -= record.get("perf/weight_sync_seconds", 0.0)
+    return wall + max(0.0, worker - record["perf/trainer_wait_seconds"])
+
+
+def run_demo(ahead: bool, mode: str, steps: int, run_dir: str) -> dict[str, float]:
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR="", JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled")
+    env.update(WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    command = [sys.executable, "-m", "feynrl_jax.cli.main", "train", "--config=configs/grpo_demo.py"]
+    command += [f"--config.train.steps={steps}", "--config.train.eval_every=0", f"--config.run_dir={run_dir}"]
+    command += ["--config.checkpoint.every_steps=0", f"--config.train.compile_ahead={ahead}", *MODES[mode]]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        sys.exit(f"the demo failed:\n{done.stderr[-3000:]}")
+    records = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            records[record["step"]] = record
+    first = records[1]
+    result = {
+        "wall_seconds": wall,
+        "first_step_seconds": first_step_seconds(first),
+        "first_update_seconds": first["perf/train_update_seconds"],
+        "first_rollout_seconds": first["perf/rollout_seconds"],
+    }
+    if 0 in records:
+        result["eval_before_seconds"] = records[0]["perf/eval_seconds"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    args = parser.parse_args()
+    results: dict[tuple[str, bool], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as work:
+        for r in range(args.rounds):
+            for mode in args.modes:
+                for ahead in (True, False) if r % 2 == 0 else (False, True):
+                    run_dir = os.path.join(work, f"{mode}_{ahead}_{r}")
+                    result = run_demo(ahead, mode, args.steps, run_dir)
+                    results.setdefault((mode, ahead), []).append(result)
+                    print(f"round {r}, {mode}, compile_ahead={ahead}: {json.dumps(result)}", flush=True)
+    summary = {}
+    for mode in args.modes:
+        medians = {
+            ahead: {k: statistics.median(x[k] for x in results[(mode, ahead)]) for k in results[(mode, ahead)][0]}
+            for ahead in (True, False)
+        }
+        for ahead in (True, False):
+            print(
+                f"{mode:8s} compile_ahead={ahead!s:5s}: " + ", ".join(f"{k} {v:.1f}" for k, v in medians[ahead].items())
+            )
+        summary[mode] = {f"{k}_off_over_on": medians[False][k] / medians[True][k] for k in medians[True]}
+        summary[mode] |= {"on": medians[True], "off": medians[False]}
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The RL trainer compiles its update in a thread of its own from `start` on, on a placeholder batch; the first
+real update runs that program: it neither traces nor compiles the train step again.
+
+What would break it: a placeholder whose pytree, shapes, dtypes or shardings differ from a real mini-batch's in any
+layout (one row per sample, shared prefix, packed), with any of the optional fields (the reference's
+log-probabilities, the critic's values and returns, a separate proximal pass), with frozen params (LoRA), with
+bfloat16 params over float32 masters, or after a resume. Then the first update would trace and compile again, in
+the main thread, and these tests fail.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+from test_shared_prefix import _rollouts
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+import tiny_rl  # noqa: E402
+
+from feynrl_jax.train.rl_trainer import RLTrainer, placeholder_rollouts  # noqa: E402
+from feynrl_jax.train.step import TrainStep  # noqa: E402
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+STEP = "jit(step)"  # the policy's and the critic's train step (`step.make_train_step`)
+
+# case: (algorithm, config overrides, (shared-prefix layout, packed)). tiny_rl's GRPO has a KL term (the
+# reference's log-probabilities); its PPO a critic (values, returns).
+CASES = {
+    "grpo_one_row_per_sample": ("grpo", {"train.shared_prefix": "off", "train.pack_sequences": False}, (False, False)),
+    "grpo_shared_prefix": (
+        "grpo",
+        {"train.shared_prefix": "on", "train.pack_sequences": False, "train.micro_batch_size": 16},
+        (True, False),
+    ),
+    "grpo_packed": ("grpo", {"train.shared_prefix": "off", "train.pack_sequences": True}, (False, True)),
+    "grpo_lora": ("grpo", {"train.shared_prefix": "off", "model.lora.rank": 4}, (False, True)),
+    "grpo_bf16_masters_two_mini_batches": (
+        "grpo",
+        {
+            "train.shared_prefix": "off",
+            "train.mini_batches": 2,
+            "model.param_dtype": "bfloat16",
+            "model.compute_dtype": "bfloat16",
+            "model.master_dtype": "float32",
+        },
+        (False, False),
+    ),
+    # Two epochs: a proximal pass of its own.
+    "ppo_two_epochs": (
+        "ppo",
+        {"train.shared_prefix": "off", "train.pack_sequences": False, "train.ppo_epochs": 2},
+        (False, False),
+    ),
+}
+
+
+class Compiles:
+    """Backend compiles of programs named `name`, by the thread that ran them."""
+
+    def __init__(self, name: str):
+        self.name, self.threads = name, []
+
+    def __call__(self, event: str, seconds: float, **kwargs) -> None:
+        if event == COMPILE_EVENT and kwargs.get("fun_name") == self.name:
+            self.threads.append(threading.current_thread().name)
+
+    def __enter__(self) -> Compiles:
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def _config(tmp_path, algorithm: str, overrides: dict):
+    config = tiny_rl.get_config(algorithm)
+    config.run_dir = str(tmp_path / "run")
+    config.train.mini_batches = 1
+    config.rollout.n_samples = 2
+    config.checkpoint.every_steps = 0
+    for path, value in overrides.items():
+        section, *rest, key = path.split(".")
+        node = config[section]
+        for name in rest:
+            node = node[name]
+        node[key] = value
+    return config
+
+
+def _batch() -> tuple:
+    """16 rollouts (8 prompts x 2) and their rewards."""
+    rollouts = _rollouts(prompt_lengths=(30, 7, 19, 12, 3, 40, 22, 9), group=2, max_new=16, seed=5, vocab=61)
+    return rollouts, np.random.default_rng(0).integers(0, 2, 16).astype(np.float32)
+
+
+def _first_update(trainer: RLTrainer, step: int = 1) -> tuple[list[str], list[str], dict]:
+    """`(threads that compiled the step from start on, threads that compiled it in the first update, metrics)`."""
+    with Compiles(STEP) as compiles:
+        trainer.start()
+        trainer._wait_for_compile()
+        ahead = list(compiles.threads)
+        compiles.threads.clear()
+        metrics = trainer.train(*_batch(), step=step, shuffle_seed=0)
+    return ahead, compiles.threads, metrics
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_first_update_runs_the_train_step_compiled_in_the_background(tmp_path, case):
+    algorithm, overrides, layout = CASES[case]
+    config = _config(tmp_path, algorithm, overrides)
+    trainer = RLTrainer(config)
+    try:
+        ahead, in_update, metrics = _first_update(trainer)
+        expected = 2 if trainer.critic_step is not None else 1
+        assert len(ahead) == expected and all(t.startswith("compile-update") for t in ahead), ahead
+        assert in_update == [], "the first update compiled its train step again"
+        assert trainer.train_step.trace_count == 1
+        expected_updates = config.train.ppo_epochs * config.train.mini_batches
+        assert metrics["train/updates"] == expected_updates and np.isfinite(metrics["train/loss"])
+        assert (trainer.shared_prefix, trainer.pack) == layout
+        assert (trainer.reference is not None) == (algorithm == "grpo")
+        assert bool(trainer.model_config.lora_rank) == (case == "grpo_lora")
+    finally:
+        trainer.close()
+
+
+def test_a_resumed_run_compiles_ahead_too(tmp_path):
+    config = _config(tmp_path, "grpo", {"train.shared_prefix": "off", "checkpoint.every_steps": 1})
+    trainer = RLTrainer(config)
+    try:
+        trainer.start()
+        trainer.train(*_batch(), step=1, shuffle_seed=0)
+        assert trainer.save(1, np.zeros(2, np.uint32), None, force=True)
+    finally:
+        trainer.close()
+    config.checkpoint.resume = True
+    trainer = RLTrainer(config)
+    try:
+        ahead, in_update, _ = _first_update(trainer, step=2)
+        assert trainer.policy_version == 2  # resumed at version 1, then one step
+        assert len(ahead) == 1 and ahead[0].startswith("compile-update") and in_update == []
+    finally:
+        trainer.close()
+
+
+def test_without_compile_ahead_the_first_update_compiles_its_train_step(tmp_path):
+    """`train.compile_ahead=False`: nothing compiles in the background; the first update compiles the step."""
+    trainer = RLTrainer(_config(tmp_path, "grpo", {"train.compile_ahead": False}))
+    try:
+        ahead, in_update, _ = _first_update(trainer)
+        assert ahead == [] and in_update == ["MainThread"] and trainer.train_step.trace_count == 1
+    finally:
+        trainer.close()
+
+
+def test_a_failed_compile_ahead_is_logged_and_the_first_update_compiles(tmp_path, monkeypatch, caplog):
+    """Compiling ahead is a speed-up only: where it fails, the run goes on and compiles at the first update."""
+
+    def fail(step, state, batch):
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(TrainStep, "compile", fail)
+    trainer = RLTrainer(_config(tmp_path, "grpo", {}))
+    try:
+        with caplog.at_level("WARNING", logger="feynrl_jax"):
+            ahead, in_update, metrics = _first_update(trainer)
+        assert ahead == [] and in_update == ["MainThread"] and np.isfinite(metrics["train/loss"])
+        assert "compiling the update ahead failed" in caplog.text and "compile failed" in caplog.text
+    finally:
+        trainer.close()
+
+
+def test_placeholder_rollouts_have_the_engines_shapes_and_groups():
+    rollouts = placeholder_rollouts(6, 3, 5, pad_id=7)
+    assert rollouts.completion_ids.shape == rollouts.behavior_logprobs.shape == (6, 5)
+    assert rollouts.completion_lengths.tolist() == [1] * 6 and rollouts.prompt_lengths.tolist() == [1] * 6
+    assert rollouts.group_id.tolist() == [0, 0, 0, 1, 1, 1]
+    assert (rollouts.prompt_ids == 7).all() and (rollouts.completion_ids == 7).all()
+    for field in ("prompt_ids", "prompt_lengths", "completion_ids", "finish_reason", "group_id", "policy_version"):
+        assert getattr(rollouts, field).dtype == np.int32, field
+    assert rollouts.completion_mask.dtype == rollouts.behavior_logprobs.dtype == np.float32
