@@ -9,9 +9,10 @@ in two modes:
   - `no_eval`: `eval.during_training=False`: the trainer waits for the first batch.
 Reports medians per side and mode, and the ratios off/on:
   - `wall_seconds`: the whole command, start-up included;
-  - `first_step_seconds`: step 1 as `benchmarks/learning_vs_trl.py` charges it (`perf/step_seconds` less the
-    evaluation and the checkpoint, plus the rollout worker's time for the batch that the trainer did not wait for,
-    less the worker's first weight load, which builds its engine);
+  - `first_step_seconds`: step 1 as `benchmarks/learning_vs_trl.py` charges a step that follows an evaluation
+    (`perf/step_seconds` less the evaluation and the checkpoint, plus the rollout worker's time for the batch that
+    the trainer did not wait for, less the worker's first weight load, which builds its engine). In mode
+    `no_eval` the trainer waits for the whole batch, so the worker's part adds nothing;
   - `first_update_seconds`: step 1's `perf/train_update_seconds`;
   - `first_rollout_seconds`: step 1's `perf/rollout_seconds`;
   - `eval_before_seconds` (mode `eval`): the evaluation before training.
@@ -36,7 +37,7 @@ MODES = {"eval": [], "no_eval": ["--config.eval.during_training=False"]}
 
 
 def first_step_seconds(record: dict) -> float:
-    """Step 1 as `learning_vs_trl.ours_curve` charges it."""
+    """Step 1 as `learning_vs_trl.ours_curve` charges a step that follows an evaluation (see the module doc)."""
     wall = (
         record["perf/step_seconds"] - record.get("perf/eval_seconds", 0.0) - record.get("perf/checkpoint_seconds", 0.0)
     )
