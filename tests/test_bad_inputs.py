@@ -608,12 +608,12 @@ def test_bad_input(case: Case, outcomes):
             for line in full.read_text().splitlines():
                 json.loads(line)
     log = out.run_dir / "run.log"
-    if log.exists() and case.id == "disk_full_while_checkpointing" and log.stat().st_size >= DISK_LIMIT_BYTES:
-        # The log itself reached the size limit (orbax logs a traceback for each of its writer threads that failed,
-        # and how many fail first varies): the traceback could not be appended, and the error does not claim it.
-        assert "(traceback: " not in message, message
+    if log.exists() and "(traceback: " in message:  # claimed: the traceback is there
+        assert "Traceback" in log.read_text(errors="replace")
     elif log.exists():
-        assert "(traceback: " in message and "Traceback" in log.read_text()
+        # Not claimed: only where the log itself reached the disk-full case's size limit (orbax logs a traceback for
+        # each of its writer threads that failed, before and after the CLI's own, and how many varies from run to run).
+        assert case.id == "disk_full_while_checkpointing" and log.stat().st_size >= DISK_LIMIT_BYTES, message
 
 
 @pytest.mark.parametrize("room", [True, False], ids=["log_has_room", "log_full"])
