@@ -26,46 +26,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_compile_cache import demo_metrics
+from learning_vs_trl import charged_step_seconds
+
 MODES = {"eval": [], "no_eval": ["--config.eval.during_training=False"]}
 
 
-def first_step_seconds(record: dict) -> float:
-    """Step 1 as `learning_vs_trl.ours_curve` charges a step that follows an evaluation (see the module doc)."""
-    wall = (
-        record["perf/step_seconds"] - record.get("perf/eval_seconds", 0.0) - record.get("perf/checkpoint_seconds", 0.0)
-    )
-    worker = record["perf/rollout_seconds"] + record.get("perf/reward_seconds", 0.0)
-    worker -= record.get("perf/weight_sync_seconds", 0.0)
-    return wall + max(0.0, worker - record["perf/trainer_wait_seconds"])
-
-
 def run_demo(ahead: bool, mode: str, steps: int, run_dir: str) -> dict[str, float]:
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR="", JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled")
-    env.update(WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
-    command = [sys.executable, "-m", "feynrl_jax.cli.main", "train", "--config=configs/grpo_demo.py"]
-    command += [f"--config.train.steps={steps}", "--config.train.eval_every=0", f"--config.run_dir={run_dir}"]
-    command += ["--config.checkpoint.every_steps=0", f"--config.train.compile_ahead={ahead}", *MODES[mode]]
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode:
-        sys.exit(f"the demo failed:\n{done.stderr[-3000:]}")
-    records = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            records[record["step"]] = record
+    overrides = ["--config.checkpoint.every_steps=0", f"--config.train.compile_ahead={ahead}", *MODES[mode]]
+    wall, records = demo_metrics("", run_dir, *overrides, steps=steps)
     first = records[1]
     result = {
         "wall_seconds": wall,
-        "first_step_seconds": first_step_seconds(first),
+        "first_step_seconds": charged_step_seconds(first, paused=True),  # as after an evaluation
         "first_update_seconds": first["perf/train_update_seconds"],
         "first_rollout_seconds": first["perf/rollout_seconds"],
     }

@@ -20,11 +20,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_demo(cache: str, run_dir: str) -> dict[str, float]:
+def demo_metrics(cache: str, run_dir: str, *overrides: str, steps: int = 2) -> tuple[float, dict[int, dict]]:
+    """Runs the demo for `steps` steps (and the `--config.` `overrides`) with the compilation cache folder `cache`
+    ("" turns it off); returns the command's wall seconds and its `metrics.jsonl` records by step."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled")
     env.update(WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
     command = [sys.executable, "-m", "feynrl_jax.cli.main", "train", "--config=configs/grpo_demo.py"]
-    command += ["--config.train.steps=2", "--config.train.eval_every=0", f"--config.run_dir={run_dir}"]
+    command += [f"--config.train.steps={steps}", "--config.train.eval_every=0", f"--config.run_dir={run_dir}"]
+    command += overrides
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -35,6 +38,11 @@ def run_demo(cache: str, run_dir: str) -> dict[str, float]:
         for line in f:
             record = json.loads(line)
             records[record["step"]] = record
+    return wall, records
+
+
+def run_demo(cache: str, run_dir: str) -> dict[str, float]:
+    wall, records = demo_metrics(cache, run_dir)
     return {
         "wall_seconds": wall,
         "eval_before_seconds": records[0]["perf/eval_seconds"],

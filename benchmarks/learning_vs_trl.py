@@ -87,20 +87,26 @@ def run_config(args, seed: int):
     return config
 
 
+def charged_step_seconds(record: dict, paused: bool) -> float:
+    """The wall time a step of ours is charged (see the docstring); `paused`: the step before it (or the start)
+    evaluated or checkpointed."""
+    step_wall = record["perf/step_seconds"]
+    step_wall -= record.get("perf/eval_seconds", 0.0) + record.get("perf/checkpoint_seconds", 0.0)
+    if paused:  # the worker made this batch while the driver evaluated: charge what the trainer did not wait
+        # `perf/rollout_seconds` holds the worker's weight load; step 1's load builds its engine (start-up).
+        worker = record["perf/rollout_seconds"] + record.get("perf/reward_seconds", 0.0)
+        if record["step"] == 1:
+            worker -= record.get("perf/weight_sync_seconds", 0.0)
+        step_wall += max(0.0, worker - record["perf/trainer_wait_seconds"])
+    return step_wall
+
+
 def ours_curve(records: list[dict]) -> dict:
     """Held-out accuracy against the wall time of training, from ours' `metrics.jsonl` (see the docstring)."""
     seconds, accuracy, steps, wall, paused = [], [], [], 0.0, False
     for record in records:
         if record["step"] > 0:
-            step_wall = record["perf/step_seconds"]
-            step_wall -= record.get("perf/eval_seconds", 0.0) + record.get("perf/checkpoint_seconds", 0.0)
-            if paused:  # the worker made this batch while the driver evaluated: charge what the trainer did not wait
-                # `perf/rollout_seconds` holds the worker's weight load; step 1's load builds its engine (start-up).
-                worker = record["perf/rollout_seconds"] + record.get("perf/reward_seconds", 0.0)
-                if record["step"] == 1:
-                    worker -= record.get("perf/weight_sync_seconds", 0.0)
-                step_wall += max(0.0, worker - record["perf/trainer_wait_seconds"])
-            wall += step_wall
+            wall += charged_step_seconds(record, paused)
         paused = "perf/eval_seconds" in record or "perf/checkpoint_seconds" in record or record["step"] == 0
         if "eval/accuracy" in record:
             steps.append(int(record["step"]))
