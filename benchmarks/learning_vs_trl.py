@@ -33,8 +33,10 @@ start-up (Ray, model loading) left out on both sides, JAX compilation in ours' f
     generates while the driver evaluates: the step after an evaluation would otherwise get that generation
     for free. Such a step is charged the worker's time for its batch (`perf/rollout_seconds`, which includes
     loading the weights, and `perf/reward_seconds`) that the trainer did not wait for; at step 1 less the
-    first weight load, which builds the rollout engine (start-up). That generation ran beside the evaluation
-    on the same cores, so the charge is at least what it saved.
+    first weight load where it built the rollout engine (start-up). With `rollout.warmup` (the default) the worker
+    built its engine and compiled its programs at start-up, while the trainer started (start-up, left out), and
+    its first load is charged like any other. That generation ran beside the evaluation on the same cores, so the
+    charge is at least what it saved.
 
 Usage:
     pip install "trl==1.16.0"   # not a dependency of the project
@@ -93,9 +95,9 @@ def charged_step_seconds(record: dict, paused: bool) -> float:
     step_wall = record["perf/step_seconds"]
     step_wall -= record.get("perf/eval_seconds", 0.0) + record.get("perf/checkpoint_seconds", 0.0)
     if paused:  # the worker made this batch while the driver evaluated: charge what the trainer did not wait
-        # `perf/rollout_seconds` holds the worker's weight load; step 1's load builds its engine (start-up).
+        # `perf/rollout_seconds` holds the worker's weight load; step 1's builds its engine unless a warm-up did.
         worker = record["perf/rollout_seconds"] + record.get("perf/reward_seconds", 0.0)
-        if record["step"] == 1:
+        if record["step"] == 1 and "perf/rollout_warmup_seconds" not in record:  # else a warm-up built it
             worker -= record.get("perf/weight_sync_seconds", 0.0)
         step_wall += max(0.0, worker - record["perf/trainer_wait_seconds"])
     return step_wall

@@ -192,10 +192,15 @@ class NativeEngine:
 
         The engine keeps the layers split into per-layer arrays (`unstack_layers`, one copy made here), which
         prefill and decode read without the per-layer slice copies of a scan over stacked layers, in the model's
-        `param_dtype` (wider params, a trainer's float32 master weights, are rounded in that copy).
+        `param_dtype` (wider params, a trainer's float32 master weights, are rounded in that copy). The params held
+        before are released first.
         """
         if self.param_shardings is not None:
             params = jax.device_put(params, self.param_shardings)
+        # The held copy goes first, so that the new one can take its memory (one copy held, not two; on a host that
+        # backs fresh memory slowly, pages already touched are the fast ones). Until the new copy is in place the
+        # engine holds no params: `generate` refuses to run, and a failed load leaves it so.
+        self._params = None
         self._params = self._unstack_layers(params)
         self.policy_version = int(version)
 
@@ -244,6 +249,8 @@ class NativeEngine:
             strings without `detokenize` (each message names the prompt or setting).
         """
         start_time = time.perf_counter()
+        if self._params is None:
+            raise RuntimeError("NativeEngine: no params loaded (the last load_params failed); load params first")
         prompts = [list(map(int, p)) for p in prompts]
         caps = self._check_request(prompts, sampling, max_new_tokens)
         n = sampling.n
@@ -253,20 +260,9 @@ class NativeEngine:
                 sampling.seed, np.array([p for p, _ in rows], np.int32), np.array([s for _, s in rows], np.int32)
             )
         )
-        stop_ids = jnp.asarray(np.array(sampling.stop_token_ids, np.int32).reshape(-1))
         stop_set = set(sampling.stop_token_ids)
         matcher = StopStringMatcher(sampling.stop_strings, self.detokenize) if sampling.stop_strings else None
-        decode_args = (
-            stop_ids,
-            jnp.float32(sampling.temperature),
-            jnp.float32(sampling.top_p),
-            jnp.int32(sampling.min_new_tokens),
-        )
-        decode_static = dict(
-            greedy=sampling.greedy,
-            top_k=0 if sampling.greedy else sampling.top_k,
-            use_top_p=(not sampling.greedy) and sampling.top_p < 1.0,
-        )
+        decode_args, decode_static = _decode_inputs(sampling)
 
         out_tokens: list[list[int]] = [[] for _ in rows]
         out_logprobs: list[list[float]] = [[] for _ in rows]
@@ -368,6 +364,114 @@ class NativeEngine:
         }
         return result
 
+    def warm_up(
+        self, prompt_lengths: Sequence[int], sampling: SamplingParams, *, stop: Callable[[], bool] | None = None
+    ) -> dict[str, float]:
+        """Compiles, before the first batch, the programs that a batch of prompts of `prompt_lengths` sampled with
+        `sampling` runs (the model warm-up of JetStream and vLLM), on whatever params the engine holds: placeholder
+        weights serve (`feynrl_jax.models.placeholder_params`), since a program depends on shapes only. In order:
+
+          - the whole-width decode dispatch for each attend length the batch can reach (`lower().compile()`, which
+            fills the jit's cache; nothing runs);
+          - a real one-token generation of one dummy prompt per prefill bucket of these lengths, `sampling.n`
+            samples each: prefill, the KV insertion and the other small programs, run once (it also touches the
+            cache's memory once); the rows' sampling keys for the batch's row count; with stop strings, the
+            release of a slot;
+          - where the batch's tail can narrow (`narrow_tail`, see `_narrows`): the gathers from each width to
+            each narrower one, each narrower width's dispatches (attend lengths as above) and, with stop strings,
+            its slot release. `stop()` (say, a generation is waiting for the engine) ends the warm-up before
+            each of these programs: what is left compiles when a batch first needs it.
+
+        The engine afterwards holds the same params, version and free slots as before: a later `generate` returns
+        what it would have returned without the warm-up. A batch that reaches other prefill buckets or attend
+        lengths compiles those when it first needs them, as without a warm-up.
+
+        Returns:
+            `{"seconds", "dispatch_programs", "prefill_buckets", "complete"}`: the decode programs compiled, the
+            buckets prefilled, and 1.0 unless `stop()` cut the warm-up short.
+        """
+        t0 = time.perf_counter()
+        lengths = sorted({int(n) for n in prompt_lengths})
+        if not lengths or lengths[0] < 1:
+            raise ValueError(f"NativeEngine.warm_up: prompt lengths must be >= 1, got {list(prompt_lengths)}")
+        caps = min(sampling.max_new_tokens, self.cache_len - lengths[-1])
+        if caps < 1:
+            raise ValueError(
+                f"NativeEngine.warm_up: a prompt of {lengths[-1]} tokens leaves no room in the cache of "
+                f"{self.cache_len} positions"
+            )
+        steps = self.decode_steps_per_dispatch
+        rows = len(prompt_lengths) * sampling.n
+        # A dispatch attends to `reach - 1 + steps` positions, `reach` the longest live row's prompt and emitted
+        # tokens; a live row has emitted a multiple of `steps` tokens, at most `caps - 1`.
+        emitted = steps * ((caps - 1) // steps)
+        low = pick_bucket(self.attend_buckets, min(lengths[0] - 1 + steps, self.cache_len))
+        high = pick_bucket(self.attend_buckets, min(lengths[-1] + emitted - 1 + steps, self.cache_len))
+        attend = [a for a in self.attend_buckets if low <= a <= high]
+        decode_args, decode_static = _decode_inputs(sampling)
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self._state)):
+            self._state = self._init_state()
+
+        def compile_dispatch(state: DecodeState, attend_len: int) -> None:
+            self._decode.lower(self._params, state, *decode_args, **decode_static, attend_len=attend_len).compile()
+
+        for attend_len in attend:
+            compile_dispatch(self._state, attend_len)
+        by_bucket = {pick_bucket(self.buckets, max(n - 1, 1)): n for n in lengths}  # the longest of each bucket
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        kept_stats = self.last_stats
+        self.generate([[pad] * n for n in by_bucket.values()], sampling, max_new_tokens=[1] * len(by_bucket))
+        self.last_stats = kept_stats
+        ids = np.zeros(rows, np.int32)
+        jax.block_until_ready(sampling_lib.row_keys(sampling.seed, ids, ids))
+        if sampling.stop_strings:  # a stop string frees its slot (here none: every slot is free already)
+            self._state = self._on_fields(self._deactivate, self._state, jnp.asarray(np.zeros(self.num_slots, bool)))
+        compiled, complete = len(attend), True
+        if self._narrows(rows, caps):
+            states = {self.num_slots: self._state}
+
+            def take(width: int, wider: int) -> None:  # the slots as `_narrow` passes them, a list
+                states[width] = self._take(states[wider], jnp.asarray(list(range(width)), jnp.int32))
+
+            def release(width: int) -> None:  # a stop string frees its slot in the narrowed batch
+                states[width] = self._on_fields(self._deactivate, states[width], jnp.asarray(np.zeros(width, bool)))
+
+            work = []  # (program, is a decode dispatch), in order
+            for width in self.decode_widths[1:]:
+                work += [
+                    (functools.partial(take, width, wider), False) for wider in self.decode_widths if wider > width
+                ]
+                work += [(functools.partial(release, width), False)] if sampling.stop_strings else []
+                work += [
+                    (functools.partial(lambda w, a: compile_dispatch(states[w], a), width, a), True) for a in attend
+                ]
+            for program, dispatch in work:
+                if stop is not None and stop():
+                    complete = False
+                    break
+                program()
+                compiled += dispatch
+            del states
+        return {
+            "seconds": time.perf_counter() - t0,
+            "dispatch_programs": float(compiled),
+            "prefill_buckets": float(len(by_bucket)),
+            "complete": float(complete),
+        }
+
+    def _narrows(self, rows: int, caps: int) -> bool:
+        """Whether a batch of `rows` rows capped at `caps` new tokens can narrow its tail (`generate`): only while
+        the longest live row may run two more dispatches, and only once the live rows fit in a quarter of the
+        slots. That is before the first dispatch where the whole batch fits; after a refill emptied the queue
+        (more rows than slots), its rows starting with their whole cap; else after the first dispatch, which left
+        `caps - steps` at most."""
+        steps = self.decode_steps_per_dispatch
+        if len(self.decode_widths) == 1:
+            return False
+        if rows > self.num_slots or rows <= self.decode_widths[1]:
+            return caps >= 2 * steps
+        return caps >= 3 * steps
+
     def _narrow(self, state: DecodeState, slot_row: list[int | None]) -> tuple[DecodeState, list[int | None]]:
         """The state and slot map of the narrowest width in `decode_widths` that holds the live slots: live slots
         first, then free (inactive) ones as filler rows; `state` itself where no narrower width holds them."""
@@ -459,6 +563,23 @@ class NativeEngine:
 
 
 _MIN_ATTEND_LEN = 128
+
+
+def _decode_inputs(sampling: SamplingParams) -> tuple[tuple, dict[str, Any]]:
+    """The decode dispatch's traced sampling inputs (stop ids, temperature, top-p, minimum length) and its static
+    ones (greedy, top-k, top-p on)."""
+    args = (
+        jnp.asarray(np.array(sampling.stop_token_ids, np.int32).reshape(-1)),
+        jnp.float32(sampling.temperature),
+        jnp.float32(sampling.top_p),
+        jnp.int32(sampling.min_new_tokens),
+    )
+    static = dict(
+        greedy=sampling.greedy,
+        top_k=0 if sampling.greedy else sampling.top_k,
+        use_top_p=(not sampling.greedy) and sampling.top_p < 1.0,
+    )
+    return args, static
 
 
 def _without_cache(state: DecodeState) -> DecodeState:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from feynrl_jax.compile_clock import compile_clock
 from feynrl_jax.models import (
     KVCache,
     ModelConfig,
@@ -15,6 +16,7 @@ from feynrl_jax.models import (
     init_params,
     logical_axes,
     logits,
+    placeholder_params,
     sequence_logprobs,
     unstack_layers,
 )
@@ -388,3 +390,125 @@ def test_params_with_another_layer_count_are_refused(params):
     three = dataclasses.replace(CONFIG, num_layers=3)
     with pytest.raises(ValueError, match=r"params' layers hold \[3\] layers, the model config 2"):
         engine.load_params(init_params(three, jax.random.PRNGKey(1)), 1)
+    # The held params were released first: the engine refuses to generate until a load succeeds.
+    with pytest.raises(RuntimeError, match="no params loaded"):
+        engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    engine.load_params(params, 2)
+    assert engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2)).policy_version.tolist() == [2]
+
+
+def _compiled_during(call) -> tuple[list[str], object]:
+    """The programs this thread compiled while running `call()` (a persistent-cache hit counts), and its result."""
+    clock = compile_clock()
+    before = len(clock.names())
+    result = call()
+    return clock.names()[before:], result
+
+
+WARM_KWARGS = dict(num_slots=16, cache_len=48, decode_steps_per_dispatch=2)
+
+
+def test_a_warmed_up_engine_compiles_nothing_for_its_batch_and_samples_the_same(params):
+    """`warm_up` on placeholder weights compiles every program a batch of these prompt lengths runs, the narrowed
+    tail's widths and both attend lengths included: after loading the real weights, that batch compiles nothing, and
+    it returns exactly what an engine that never warmed up returns (which compiled on its way)."""
+    prompts = (PROMPTS * 4)[:16]
+    # One sample each. caps: after the first dispatch 3 rows run (16 -> 4 rows), after the third one row (4 -> 1),
+    # which reaches 3 + 28 positions (attend length 48; the first dispatches attend to 32).
+    caps = [2] * 13 + [6, 6, 30]
+    sampling_params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=3)
+    warm = NativeEngine(CONFIG, placeholder_params(CONFIG), policy_version=-1, **WARM_KWARGS)
+    stats = warm.warm_up([len(p) for p in prompts], sampling_params)
+    assert stats["dispatch_programs"] == 3 * 2 and stats["prefill_buckets"] == 1, stats  # widths 16, 4, 1 x 32, 48
+    assert stats["complete"] == 1.0
+    warm.load_params(params, 1)
+    cold = NativeEngine(CONFIG, params, policy_version=1, **WARM_KWARGS)
+    warm_compiles, out = _compiled_during(lambda: warm.generate(prompts, sampling_params, max_new_tokens=caps))
+    cold_compiles, expected = _compiled_during(lambda: cold.generate(prompts, sampling_params, max_new_tokens=caps))
+    assert warm.last_stats["narrowings"] == 2 and warm.last_stats["prefills"] == 16, warm.last_stats
+    assert warm_compiles == [], warm_compiles
+    assert cold_compiles.count("jit(dispatch)") >= 3 and "jit(prefill)" in cold_compiles, cold_compiles
+    np.testing.assert_array_equal(out.completion_ids, expected.completion_ids)
+    np.testing.assert_array_equal(out.completion_lengths, caps)
+    np.testing.assert_array_equal(out.behavior_logprobs, expected.behavior_logprobs)
+    np.testing.assert_array_equal(out.policy_version, np.ones(16))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "n", "max_new_tokens", "caps", "programs", "stop"),
+    [
+        # 4 rows fit in a quarter of the 16 slots: the batch narrows before its first dispatch (4 -> 1 later).
+        # Widths 16, 4, 1 x attend lengths 32, 48 (the 40-token prompt).
+        ([3, 40], 2, 5, [5, 3], 3 * 2, False),
+        # 8 rows, 5 new tokens: no room for two dispatches after the first, so the whole width only.
+        ([3, 40, 5, 7], 2, 5, [5, 5, 5, 5], 1 * 2, False),
+        # 20 rows in 16 slots: a refill empties the queue (the last prompt's rows, at their whole cap), then the
+        # third prompt's rows narrow to 4 and a stop string ends them there. Widths 16, 4, 1 x attend length 32.
+        ([3, 10, 6, 2, 8], 4, 8, [2, 2, 8, 2, 2], 3 * 1, True),
+    ],
+)
+def test_every_batch_shape_finds_its_programs_warmed_up(params, lengths, n, max_new_tokens, caps, programs, stop):
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(length)] for i, length in enumerate(lengths)]
+    sampling_params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, n=n, seed=5)
+    if stop:  # a row stops once its text holds 5 tokens: in the narrowed tail
+        sampling_params = dataclasses.replace(sampling_params, stop_strings=("x",))
+    detokenize = lambda ids: "x" if len(ids) >= 5 else "a"  # noqa: E731
+    engine = NativeEngine(CONFIG, placeholder_params(CONFIG), detokenize=detokenize, **WARM_KWARGS)
+    stats = engine.warm_up(lengths, sampling_params)
+    assert stats["dispatch_programs"] == programs, stats
+    engine.load_params(params, 1)
+    compiled, out = _compiled_during(lambda: engine.generate(prompts, sampling_params, max_new_tokens=caps))
+    assert compiled == [], compiled
+    assert (engine.last_stats["narrowings"] > 0) == (programs != 2), engine.last_stats
+    if stop:
+        assert (out.finish_reason[8:12] == FINISH_STOP).all() and (out.completion_lengths[8:12] == 5).all()
+    expected = NativeEngine(CONFIG, params, detokenize=detokenize, **WARM_KWARGS).generate(
+        prompts, sampling_params, max_new_tokens=caps
+    )
+    np.testing.assert_array_equal(out.completion_ids, expected.completion_ids)
+    np.testing.assert_array_equal(out.finish_reason, expected.finish_reason)
+
+
+def test_a_warm_up_changes_nothing_an_engine_returns_and_can_be_cut_short(engine, params):
+    """A warm-up of an engine in use leaves what it returns unchanged; one whose `stop()` answers True at once
+    compiles the whole width and prefill only, and the batch then compiles the rest itself."""
+    sampling_params = SamplingParams(temperature=0.9, max_new_tokens=12, n=2, seed=21)
+    before = engine.generate(PROMPTS, sampling_params)
+    assert engine.warm_up([len(p) for p in PROMPTS], sampling_params)["complete"] == 1.0
+    after = engine.generate(PROMPTS, sampling_params)
+    np.testing.assert_array_equal(after.completion_ids, before.completion_ids)
+    np.testing.assert_array_equal(after.behavior_logprobs, before.behavior_logprobs)
+
+    fresh = NativeEngine(CONFIG, params, **WARM_KWARGS)
+    prompts = (PROMPTS * 4)[:16]
+    stats = fresh.warm_up([len(p) for p in prompts], SamplingParams(max_new_tokens=30), stop=lambda: True)
+    assert stats["complete"] == 0.0 and stats["dispatch_programs"] == 2, stats  # the whole width's 32 and 48
+    compiled, _ = _compiled_during(
+        lambda: fresh.generate(prompts, SamplingParams(max_new_tokens=30), max_new_tokens=[2] * 13 + [6, 6, 30])
+    )
+    assert compiled.count("jit(dispatch)") >= 2 and "jit(prefill)" not in compiled, compiled
+
+
+def test_a_warm_up_for_prompts_too_long_for_the_cache_is_refused(engine):
+    with pytest.raises(ValueError, match="a prompt of 48 tokens leaves no room"):
+        engine.warm_up([48], SamplingParams(max_new_tokens=5))
+    with pytest.raises(ValueError, match="prompt lengths must be >= 1"):
+        engine.warm_up([], SamplingParams(max_new_tokens=5))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"lora_rank": 4, "lora_targets": ("q_proj", "down_proj")},
+        {"lora_rank": 4, "lora_targets": ("q_proj",), "param_dtype": "bfloat16"},  # adapters in bfloat16 too
+        {"base_quantization": "nf4"},
+    ],
+)
+def test_placeholder_params_have_the_shapes_and_dtypes_the_model_computes_with(changes):
+    config = dataclasses.replace(CONFIG, **changes)
+    placeholder = placeholder_params(config)
+    real = as_param_dtype(init_params(config, jax.random.PRNGKey(1)), config)
+    assert jax.tree.structure(placeholder) == jax.tree.structure(real)
+    for a, b in zip(jax.tree.leaves(placeholder), jax.tree.leaves(real)):
+        assert isinstance(a, np.ndarray) and (a.shape, a.dtype) == (b.shape, b.dtype) and not a.any()

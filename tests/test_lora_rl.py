@@ -57,6 +57,9 @@ def test_rl_with_lora_syncs_adapters_only(ray_session, tmp_path, algo, staleness
         assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 3]
     records = [r for r in records if r["step"] >= 1]
     assert [r["step"] for r in records] == [1, 2, 3]
+    # The rollout worker warmed up (`rollout.warmup`) on placeholder weights of the adapters' (and NF4 base's)
+    # layout: its first generation compiled nothing, and then loaded base and adapters together.
+    assert records[0]["perf/rollout_warmup_seconds"] > 0 and records[0]["perf/rollout_compile_seconds"] == 0.0
 
     trainer = RLTrainer(config)  # the model config and the final state, read back from the run folder
     model_config = trainer.model_config

@@ -22,10 +22,10 @@ from test_shared_prefix import _rollouts
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import tiny_rl  # noqa: E402
 
+from feynrl_jax.compile_clock import COMPILE_EVENT  # noqa: E402
 from feynrl_jax.train.rl_trainer import RLTrainer, placeholder_rollouts  # noqa: E402
 from feynrl_jax.train.step import TrainStep  # noqa: E402
 
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
 STEP = "jit(step)"  # the policy's and the critic's train step (`step.make_train_step`)
 
 # case: (algorithm, config overrides, (shared-prefix layout, packed)). tiny_rl's GRPO has a KL term (the

@@ -141,6 +141,10 @@ def base_config() -> ConfigDict:
     config.rollout.num_workers = 1  # Rollout workers (Ray actors).
     config.rollout.max_slots = 32  # Sequences decoded concurrently per worker.
     config.rollout.decode_steps_per_dispatch = 8  # Decode steps per jitted call before refilling slots.
+    # RL, native engine: each rollout worker compiles its engine's programs at start-up, on placeholder weights and
+    # the first batch's prompt lengths, while the trainer starts (NativeEngine.warm_up); False: at the first batch.
+    # vLLM warms itself up when it starts.
+    config.rollout.warmup = True
     config.rollout.stop_strings = ()  # Generation stops after any of these strings (plus EOS).
     config.rollout.rewards = ConfigDict({"reasoning_gym": 1.0})  # RL: reward spec -> weight (rewards registry).
     config.rollout.reward_kwargs = ConfigDict()  # RL: reward spec -> its keyword arguments, e.g. {"gsm8k": {...}}.

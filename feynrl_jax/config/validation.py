@@ -438,6 +438,12 @@ def _check_rollout(config, bad):
     _in_unit_interval(bad, "rollout.max_reward_failure_frac", rollout.max_reward_failure_frac)
     if rollout.engine == "vllm":
         _check_vllm(config, bad)
+        if not rollout.warmup:
+            bad(
+                "rollout.warmup",
+                "rollout.warmup=False applies to the native engine only: vLLM compiles and profiles when it starts "
+                "(rollout.vllm.enforce_eager=True skips its CUDA graphs).",
+            )
 
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16")

@@ -1,8 +1,8 @@
 """Decoder-only transformers (Llama, Qwen2, Qwen3, Mistral, SmolLM2) as pure JAX functions over a params dict.
 
-The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `forward`, `KVCache`, `init_cache`, `cache_dtype`, `logits`,
-`sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`, `SegmentBounds` (blocked attention over
-packed rows of short segments).
+The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `placeholder_params`, `forward`, `KVCache`, `init_cache`,
+`cache_dtype`, `logits`, `sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`, `SegmentBounds`
+(blocked attention over packed rows of short segments).
 """
 
 from feynrl_jax.models.block_attention import SegmentBounds
@@ -17,6 +17,7 @@ from feynrl_jax.models.decoder import (
     init_params,
     logits,
     param_shapes,
+    placeholder_params,
     unstack_layers,
 )
 from feynrl_jax.models.logprobs import predecessor_hidden, sequence_logprobs, token_logprobs_from_hidden
@@ -35,6 +36,7 @@ __all__ = [
     "logical_axes",
     "logits",
     "param_shapes",
+    "placeholder_params",
     "predecessor_hidden",
     "sequence_logprobs",
     "token_logprobs_from_hidden",

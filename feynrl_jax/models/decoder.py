@@ -33,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 
@@ -163,6 +164,15 @@ def init_params(config: ModelConfig, rng: jax.Array) -> Params:
         plain = dataclasses.replace(config, base_quantization=None)
         return jax.jit(quant.quantize_base)(_init_params(plain, rng))
     return _init_params(config, rng)
+
+
+def placeholder_params(config: ModelConfig) -> Params:
+    """Zeros of the shape and dtype of every parameter the model computes with (`as_param_dtype(init_params(...))`,
+    as a trainer publishes them: adapters, NF4 codes and scales included), as host numpy arrays that the OS maps
+    lazily: weights to compile programs with before the real ones arrive (a rollout engine's warm-up). Zero weights
+    compute finite values: zero norm scales give zero hidden states, hence uniform logits."""
+    shapes = jax.eval_shape(lambda key: as_param_dtype(init_params(config, key), config), jax.random.key(0))
+    return jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), shapes)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from feynrl_jax.compile_clock import compile_clock
 from feynrl_jax.orchestration.engines import EngineSpec, build_native, build_vllm, publish_format
 from feynrl_jax.orchestration.liveness import CONCURRENCY_GROUPS, LIVENESS_GROUP, get_within
 from feynrl_jax.orchestration.param_store import (
@@ -218,12 +219,18 @@ def worker_name(run_dir: str, index: int) -> str:
     return f"rollout_worker_{index}@{os.path.abspath(run_dir)}"
 
 
-@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+WARMUP_GROUP = "warmup"
+"""A rollout worker's concurrency group for `warm_up`: a thread of its own, so that `status` and a `generate` that
+waits for the engine stay answerable meanwhile."""
+
+
+@ray.remote(concurrency_groups={**CONCURRENCY_GROUPS, WARMUP_GROUP: 1})
 class RolloutWorker:
     """Owns the run's rollout engine (`EngineSpec`); loads the params of the version each `generate` call names.
 
     A vLLM engine starts in the constructor (its start-up errors are raised by `ready()`) and receives its first
-    weights with the first `generate`; a native engine is built from the first version it receives.
+    weights with the first `generate`; a native engine is built by `warm_up` on placeholder weights, or else from the
+    first version it receives.
 
     Args:
         model_config: the policy's `ModelConfig`.
@@ -249,6 +256,7 @@ class RolloutWorker:
         self.generating = False
         self.generate_calls = 0
         self.engine_lock = threading.Lock()  # one generation or load at a time (an evaluation may call meanwhile)
+        self.generation_waits = threading.Event()  # set by the first `generate`: a warm-up still running yields
         with kept_until_ready(self):
             pin_cpu_cores(cpu_cores)
             if spec.kind == "native":  # a vLLM engine keeps its own thread settings
@@ -256,6 +264,7 @@ class RolloutWorker:
             from feynrl_jax.checkpoints import load_tokenizer
 
             self.tokenizer = load_tokenizer(tokenizer_dir)
+            self.clock = compile_clock() if spec.kind == "native" else None  # vLLM compiles with torch
             if spec.kind == "vllm":
                 self.engine = build_vllm(spec, model_config)
 
@@ -299,28 +308,25 @@ class RolloutWorker:
         if lora_sync and not self.base_loaded:  # the base, once per worker
             base = fetch_snapshot(snapshot, base=True)
             nbytes += float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(base).values()))
-            if not vllm:  # the native engine is built below, with base and adapters
+            if not vllm:  # the native engine is built or loaded below with base and adapters together
                 from feynrl_jax.models import lora
 
                 weights = lora.combine(base, weights)
         fetched = time.perf_counter()
+        self.version = -1  # until this load completes: a failed one leaves no version loaded, and the next reloads
         if vllm and lora_sync:
             if base is not None:
                 self.engine.load_weights(base, snapshot.version)
             self.engine.load_adapter_weights(weights, snapshot.version)
         elif vllm:
             self.engine.load_weights(weights, snapshot.version)
-        elif lora_sync and self.engine is not None:
-            self.engine.load_adapters(weights, snapshot.version)
         elif self.engine is None:
             self.engine = build_native(
-                self.spec,
-                self.model_config,
-                weights,
-                snapshot.version,
-                detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                self.spec, self.model_config, weights, snapshot.version, detokenize=self.detokenize
             )
-        else:
+        elif lora_sync and base is None:  # the base is in the engine already
+            self.engine.load_adapters(weights, snapshot.version)
+        else:  # plain weights, or a LoRA policy's first load (base and adapters) into an engine built by `warm_up`
             self.engine.load_params(weights, snapshot.version)
         self.base_loaded = self.base_loaded or base is not None
         self.version = snapshot.version
@@ -329,6 +335,44 @@ class RolloutWorker:
             "load_fetch_seconds": fetched - t0,
             "load_bytes": nbytes,
         }
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids to text (stop strings)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @ray.method(concurrency_group=WARMUP_GROUP)
+    def warm_up(self, prompt_lengths: Sequence[int], sampling: Any) -> dict[str, float]:
+        """Native engine: builds the engine on placeholder weights (`feynrl_jax.models.placeholder_params`) unless
+        it exists, and compiles the programs that a batch of prompts of `prompt_lengths` sampled with `sampling`
+        runs (`NativeEngine.warm_up`). The driver calls it at start-up (`rollout.warmup`), so that the worker
+        compiles while the trainer starts instead of in the first generation, which waits for it.
+
+        Returns:
+            `NativeEngine.warm_up`'s figures; {} for a vLLM engine (it warmed itself up when it started) or where
+            the warm-up failed: the failure is logged, and the first generation compiles what it needs.
+        """
+        if self.spec.kind != "native":
+            return {}
+        with self.engine_lock:
+            try:
+                if self.engine is None:
+                    from feynrl_jax.models import lora, placeholder_params
+
+                    placeholder = placeholder_params(self.model_config)
+                    self.engine = build_native(
+                        self.spec, self.model_config, placeholder, -1, detokenize=self.detokenize
+                    )
+                    if self.model_config.lora_rank:  # later syncs load the adapters alone: that program too
+                        self.engine.load_adapters(lora.adapters_of(placeholder), -1)
+                stats = self.engine.warm_up(prompt_lengths, sampling, stop=self.generation_waits.is_set)
+            except Exception:
+                log.warning(
+                    "rollout worker %d: the warm-up failed; the first generation compiles instead",
+                    self.index,
+                    exc_info=True,
+                )
+                return {}
+        return stats
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Any, snapshot: ParamsSnapshot, delay_s: float = 0.0
@@ -345,17 +389,23 @@ class RolloutWorker:
             delay_s: seconds to sleep first (tests: a slow worker must not change what a run computes).
 
         Returns:
-            `(Rollouts, stats)`: the engine's `last_stats` plus the weight sync's figures (`load`).
+            `(Rollouts, stats)`: the engine's `last_stats`, the weight sync's figures (`load`) and, native engine,
+            `compile_seconds` (JAX's backend compiles during the call, the load's included).
         """
+        self.generation_waits.set()
         with self.engine_lock:
             self.generating = True
             self.generate_calls += 1
             try:
                 if delay_s:
                     time.sleep(delay_s)
+                compiled = self.clock.seconds() if self.clock else 0.0
                 sync = self.load(snapshot)
                 rollouts = self.engine.generate(prompts, sampling)
-                return rollouts, {**self.engine.last_stats, **sync}
+                stats = {**self.engine.last_stats, **sync}
+                if self.clock:
+                    stats["compile_seconds"] = self.clock.seconds() - compiled
+                return rollouts, stats
             finally:
                 self.generating = False
 

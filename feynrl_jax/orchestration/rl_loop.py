@@ -101,6 +101,11 @@ def rollout_sampling(config: ConfigDict, tokenizer: Any, seed: int) -> SamplingP
     )
 
 
+def worker_chunks(num_prompts: int, num_workers: int) -> list[np.ndarray]:
+    """The prompt indices each rollout worker generates for (the first chunks go to the first workers)."""
+    return [c for c in np.array_split(np.arange(num_prompts), num_workers) if len(c)]
+
+
 def generate(
     workers: list[Any],
     prompts: list[list[int]],
@@ -121,12 +126,12 @@ def generate(
     Returns:
         `(rollouts, stats)`: stats hold `lost` (chunks lost to dead workers), `generated_tokens`, the weight
         sync's `load_seconds`, `load_fetch_seconds` and `load_bytes` (max over workers), and the native engine's
-        `slot_utilisation` (mean).
+        `slot_utilisation` (mean) and `compile_seconds` (max over workers).
 
     Raises:
         RuntimeError: a chunk still failed after `max_retries` retries (names the worker).
     """
-    chunks = [c for c in np.array_split(np.arange(len(prompts)), len(workers)) if len(c)]
+    chunks = worker_chunks(len(prompts), len(workers))
     results: dict[int, tuple[Rollouts, dict]] = {}
     pending = list(range(len(chunks)))
     lost = 0
@@ -169,6 +174,8 @@ def generate(
         # Workers load in parallel: a step's weight sync takes as long as the slowest worker's.
         **{key: float(max(s[key] for s in stats)) for key in ("load_seconds", "load_fetch_seconds", "load_bytes")},
     }
+    if all("compile_seconds" in s for s in stats):  # the native engine's JAX compiles (the slowest worker's)
+        out["compile_seconds"] = float(max(s["compile_seconds"] for s in stats))
     if all("slot_utilisation" in s for s in stats):  # the native engine's; vLLM schedules its own batch
         out["slot_utilisation"] = float(np.mean([s["slot_utilisation"] for s in stats]))
     return concat_rollouts(parts), out
@@ -273,7 +280,8 @@ class _Run:
         # Draw one batch and put it back (the iterator's state is exact), and load the held-out prompts: a source
         # with no usable prompt (all longer than data.max_prompt_len, say) fails now, not after Ray started.
         start = self.prompts.get_state()
-        next(self.prompts)
+        # `rollout.warmup`: a fresh run's first batch stands for the prompt lengths (a resumed run's too).
+        self.warmup_lengths = [len(ids) for ids in next(self.prompts).prompt_ids]
         self.prompts.set_state(start)
         if config.eval.during_training:
             load_eval_set(config, self.tokenizer)
@@ -289,9 +297,11 @@ class _Run:
         self.trainers: list[Any] = []  # one actor per trainer process (`ray.trainer_processes`)
         self.trainer_calls = threading.Lock()  # every trainer process gets the calls in the same order
         self.workers: list[Any] = []
+        self.warmups: list[Any] = []  # the workers' `warm_up` calls, until the first step reports them
 
     def start_actors(self) -> None:
-        """Creates the parameter store, the trainer, the rollout workers and the reward scorer (Ray is up)."""
+        """Creates the parameter store, the trainer, the rollout workers and the reward scorer (Ray is up), and
+        starts the workers' warm-up (`rollout.warmup`)."""
         config, model_config, source = self.config, self.model_config, self.source
         check_gpus(config)
         self.store = ParamStoreActor.options(num_cpus=ACTOR_CPUS["store"]).remote()
@@ -310,6 +320,15 @@ class _Run:
             )
             for i in range(config.rollout.num_workers)
         ]
+        if config.rollout.warmup and self.engine_spec.kind == "native":
+            # Each worker compiles for its share of a batch (the first one's prompt lengths) while the trainer
+            # starts; its first `generate` waits for that.
+            sampling = rollout_sampling(config, self.tokenizer, config.seed)
+            chunks = worker_chunks(len(self.warmup_lengths), len(self.workers))
+            self.warmups = [
+                worker.warm_up.remote([self.warmup_lengths[j] for j in chunk], sampling)
+                for worker, chunk in zip(self.workers, chunks)
+            ]
         self.reward = RewardWorker.options(num_cpus=ACTOR_CPUS["reward"], **restarts).remote(
             dict(config.rollout.rewards),
             reward_kwargs={name: dict(kwargs) for name, kwargs in config.rollout.reward_kwargs.items()},
@@ -420,10 +439,39 @@ class _Run:
                 "perf/reward_seconds": totals["reward"],
             }
         )
+        metrics.update(self.warmup_metrics())
         if "slot_utilisation" in totals:  # the mean over the step's generations
             metrics["rollout/slot_utilisation"] = totals["slot_utilisation"] / generations
+        if "compile_seconds" in totals:
+            metrics["perf/rollout_compile_seconds"] = totals["compile_seconds"]
         metrics.update(self.prompts.metrics())  # rows skipped (by reason and source), examples taken per source
         return scored, metrics
+
+    def warmup_metrics(self) -> dict[str, float]:
+        """`perf/rollout_warmup_seconds` (the slowest worker's `warm_up`) at the first step after every warm-up
+        ended (each worker's first generation waits for its own, so usually step 1); {} before, after, or where one
+        failed or its worker died."""
+        if not self.warmups:
+            return {}
+        done, _ = ray.wait(self.warmups, num_returns=len(self.warmups), timeout=0)
+        if len(done) < len(self.warmups):
+            return {}
+        refs, self.warmups = self.warmups, []
+        try:
+            stats = ray.get(refs)
+        except WORKER_FAILURES as error:
+            log.warning("a rollout worker's warm-up did not report: %s", error)
+            return {}
+        if not all(stats):
+            return {}  # it failed: the worker logged why
+        seconds = max(s["seconds"] for s in stats)
+        cut = sum(not s["complete"] for s in stats)
+        log.info(
+            "rollout workers warmed up in %.1f s (the slowest)%s",
+            seconds,
+            f"; {cut} cut short by their first generation" if cut else "",
+        )
+        return {"perf/rollout_warmup_seconds": seconds}
 
     def named_trainers(self) -> list[tuple[Any, str]]:
         """`(handle, name)` of the trainer's processes: "trainer", or "trainer process <i>" when several."""
