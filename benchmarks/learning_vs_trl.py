@@ -25,7 +25,9 @@ training must be the same on both sides up to one prompt decided by a near-tie: 
 difference fails the script.
 
 Wall time: the wall time of the training steps (generation, scoring, update, weight sync), evaluations left out,
-start-up (Ray, model loading) left out on both sides, JAX compilation in ours' first step included.
+start-up (Ray, model loading) left out on both sides, whatever JAX compilation is left in ours' first step included
+(with the defaults `train.compile_ahead` and `rollout.warmup`, the train step and the rollout engine compile from
+start-up on).
   - TRL: the time from each step's begin to its end (`TrainerCallback`); the evaluation runs after the step's
     clock stops.
   - Ours: each step's `perf/step_seconds` minus its `perf/eval_seconds` and `perf/checkpoint_seconds`. In a
@@ -34,8 +36,9 @@ start-up (Ray, model loading) left out on both sides, JAX compilation in ours' f
     for free. Such a step is charged the worker's time for its batch (`perf/rollout_seconds`, which includes
     loading the weights, and `perf/reward_seconds`) that the trainer did not wait for; at step 1 less the
     first weight load where it built the rollout engine (start-up). With `rollout.warmup` (the default) the worker
-    built its engine and compiled its programs at start-up, while the trainer started (start-up, left out), and
-    its first load is charged like any other. That generation ran beside the evaluation on the same cores, so the
+    built its engine and compiled its programs at start-up, while the trainer started (start-up, left out, except
+    for any part the first generation waits for, which its rollout time holds and the step is charged), and its
+    first load is charged like any other. That generation ran beside the evaluation on the same cores, so the
     charge is at least what it saved.
 
 Usage:

@@ -195,12 +195,12 @@ class NativeEngine:
         `param_dtype` (wider params, a trainer's float32 master weights, are rounded in that copy). The params held
         before are released first.
         """
-        if self.param_shardings is not None:
-            params = jax.device_put(params, self.param_shardings)
         # The held copy goes first, so that the new one can take its memory (one copy held, not two; on a host that
         # backs fresh memory slowly, pages already touched are the fast ones). Until the new copy is in place the
         # engine holds no params: `generate` refuses to run, and a failed load leaves it so.
         self._params = None
+        if self.param_shardings is not None:
+            params = jax.device_put(params, self.param_shardings)
         self._params = self._unstack_layers(params)
         self.policy_version = int(version)
 

@@ -441,8 +441,8 @@ def _check_rollout(config, bad):
         if not rollout.warmup:
             bad(
                 "rollout.warmup",
-                "rollout.warmup=False applies to the native engine only: vLLM compiles and profiles when it starts "
-                "(rollout.vllm.enforce_eager=True skips its CUDA graphs).",
+                "rollout.warmup=False applies to the native engine only: vLLM warms up when its engine starts (a "
+                "profiling run; with rollout.vllm.enforce_eager=False also torch.compile and CUDA graphs).",
             )
 
 
