@@ -81,6 +81,9 @@ def run_rl(tmp_path, name: str, *, processes: int) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+# Alone, for memory: its two trainer processes (4 fake devices each) held about 4.6 GB each, and beside the other
+# pytest worker (about 6 GB) the first pass once ran the 24 GiB machine out of memory (the kernel killed a worker).
+@pytest.mark.serial
 def test_two_trainer_processes_train_like_one(tmp_path):
     one = run_rl(tmp_path, "one", processes=1)
     two = run_rl(tmp_path, "two", processes=2)

@@ -1,6 +1,6 @@
 """`make test` runs the suite in two passes (Makefile): the tests not marked `serial` two at a time, Ray and
 multi-process runs included, then the `serial` ones alone: the tests that time themselves or wait on short timeouts,
-and the vLLM tier's RL runs (memory)."""
+and the vLLM tier's RL runs and the two-trainer-process RL run (memory)."""
 
 import importlib.util
 import pathlib
@@ -34,6 +34,7 @@ def test_self_timed_and_short_timeout_tests_run_in_the_serial_pass_and_ray_runs_
         "tests/test_rewards_pool.py",
         "tests/test_rl_fault_tolerance.py",
         "tests/test_multiprocess_cli.py",
+        "tests/test_rl_multiprocess.py",  # memory: two trainer processes
     } <= modules
     assert "tests/test_rl_pipeline.py::test_async_generation_overlaps_training" in serial
     assert "tests/test_checkpoint_resume.py::test_sigkill_mid_save_never_leaves_a_loadable_partial_checkpoint" in serial
@@ -43,5 +44,5 @@ def test_self_timed_and_short_timeout_tests_run_in_the_serial_pass_and_ray_runs_
     # Ray and multi-process runs that only wait on generous deadlines share the cores in the first pass.
     first = collected("not serial")
     shared = {test.partition("::")[0] for test in first}
-    assert {"tests/test_rl_algorithms.py", "tests/test_rl_resume.py", "tests/test_rl_multiprocess.py"} <= shared
+    assert {"tests/test_rl_algorithms.py", "tests/test_rl_resume.py", "tests/test_rl_async.py"} <= shared
     assert len(serial) < len(first)  # the first pass keeps most of the suite
