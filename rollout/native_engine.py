@@ -278,9 +278,7 @@ class NativeEngine:
         # the whole-width state is kept (not donated) for the next call. A call interrupted inside a step (an
         # insert runs one program per layer) may have left arrays that were donated: then a fresh state replaces
         # it, which changes nothing, since every slot is freed here and a free slot's cache is never read.
-        state = self._state
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
-            state = self._init_state()
+        state = self._usable_state()
         state = self._on_fields(self._deactivate, state, jnp.ones((self.num_slots,), bool))
         whole = None
         try:
@@ -338,7 +336,7 @@ class NativeEngine:
                         finish[row] = FINISH_STOP if out_tokens[row][-1] in stop_set else FINISH_LENGTH
                         slot_row[slot] = None
                 if killed.any():
-                    state = self._on_fields(self._deactivate, state, jnp.asarray(killed))
+                    state = self._release(state, killed)
         finally:
             self._state = state if whole is None else whole
 
@@ -409,8 +407,7 @@ class NativeEngine:
         high = pick_bucket(self.attend_buckets, min(lengths[-1] + emitted - 1 + steps, self.cache_len))
         attend = [a for a in self.attend_buckets if low <= a <= high]
         decode_args, decode_static = _decode_inputs(sampling)
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self._state)):
-            self._state = self._init_state()
+        self._state = self._usable_state()
 
         def compile_dispatch(state: DecodeState, attend_len: int) -> None:
             self._decode.lower(self._params, state, *decode_args, **decode_static, attend_len=attend_len).compile()
@@ -425,16 +422,16 @@ class NativeEngine:
         ids = np.zeros(rows, np.int32)
         jax.block_until_ready(sampling_lib.row_keys(sampling.seed, ids, ids))
         if sampling.stop_strings:  # a stop string frees its slot (here none: every slot is free already)
-            self._state = self._on_fields(self._deactivate, self._state, jnp.asarray(np.zeros(self.num_slots, bool)))
+            self._state = self._release(self._state, np.zeros(self.num_slots, bool))
         compiled, complete = len(attend), True
         if self._narrows(rows, caps):
             states = {self.num_slots: self._state}
 
-            def take(width: int, wider: int) -> None:  # the slots as `_narrow` passes them, a list
-                states[width] = self._take(states[wider], jnp.asarray(list(range(width)), jnp.int32))
+            def take(width: int, wider: int) -> None:
+                states[width] = self._gather(states[wider], list(range(width)))
 
             def release(width: int) -> None:  # a stop string frees its slot in the narrowed batch
-                states[width] = self._on_fields(self._deactivate, states[width], jnp.asarray(np.zeros(width, bool)))
+                states[width] = self._release(states[width], np.zeros(width, bool))
 
             work = []  # (program, is a decode dispatch), in order
             for width in self.decode_widths[1:]:
@@ -480,7 +477,23 @@ class NativeEngine:
         if width >= len(slot_row):
             return state, slot_row
         slots = live + [slot for slot, row in enumerate(slot_row) if row is None][: width - len(live)]
-        return self._take(state, jnp.asarray(slots, jnp.int32)), [slot_row[slot] for slot in slots]
+        return self._gather(state, slots), [slot_row[slot] for slot in slots]
+
+    def _gather(self, state: DecodeState, slots: list[int]) -> DecodeState:
+        """The state of the rows `slots` of `state`, in that order (narrowing; its warm-up passes the slots the same
+        way, so both run one compiled program per pair of widths)."""
+        return self._take(state, jnp.asarray(slots, jnp.int32))
+
+    def _release(self, state: DecodeState, done: np.ndarray) -> DecodeState:
+        """`state` with the slots where `done` (host bools, one per row) freed (a stop string; its warm-up passes
+        the mask the same way)."""
+        return self._on_fields(self._deactivate, state, jnp.asarray(done))
+
+    def _usable_state(self) -> DecodeState:
+        """The held state, or a fresh one where a call interrupted inside a step left donated arrays in it."""
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self._state)):
+            return self._init_state()
+        return self._state
 
     @staticmethod
     def _on_fields(program, state: DecodeState, *args) -> DecodeState:
