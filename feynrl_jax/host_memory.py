@@ -137,3 +137,11 @@ def reexec_with_allocator_tunables() -> None:
     else:
         return
     os.execve(sys.executable, argv, env)
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, in GiB (`getrusage`: KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)

@@ -204,6 +204,19 @@ class NativeEngine:
         self._params = self._unstack_layers(params)
         self.policy_version = int(version)
 
+    def release_memory(self) -> None:
+        """Frees the held params and the decode state (its KV cache); the compiled programs stay.
+
+        For an engine that runs now and then beside other work in one process (the trainer's held-out evaluation,
+        between updates): until the next `load_params` it holds no memory of its own, so the memory it used is free
+        for that work, and nothing it keeps splits the process's heap between that work's large buffers. The next
+        `load_params` places the params again (as every load does) and the next `generate` builds a fresh state
+        (zeros; a free slot's cache is never read, so the results are the same). A LoRA engine's next load must
+        carry the base (`load_params`): `load_adapters` has none to combine with.
+        """
+        self._params = None
+        self._state = None
+
     def load_adapters(self, adapters: Any, version: int) -> None:
         """Replaces only the LoRA adapters of the held params (`feynrl_jax.models.lora`); their rollouts carry
         `policy_version=version`.
@@ -220,6 +233,11 @@ class NativeEngine:
         """
         if not self.config.lora_rank:
             raise ValueError("load_adapters: this engine's model config has no LoRA adapters (lora_rank=0)")
+        if self._params is None:
+            raise RuntimeError(
+                "load_adapters: the engine holds no base params (release_memory freed them, or a load failed); "
+                "call load_params"
+            )
         if self.param_shardings is not None:
             adapters = jax.device_put(adapters, lora.adapters_of(self.param_shardings))
         base = lora.base_params(self._params)
@@ -250,7 +268,10 @@ class NativeEngine:
         """
         start_time = time.perf_counter()
         if self._params is None:
-            raise RuntimeError("NativeEngine: no params loaded (the last load_params failed); load params first")
+            raise RuntimeError(
+                "NativeEngine: no params loaded (the last load_params failed, or release_memory freed them); "
+                "load params first"
+            )
         prompts = [list(map(int, p)) for p in prompts]
         caps = self._check_request(prompts, sampling, max_new_tokens)
         n = sampling.n
@@ -490,8 +511,9 @@ class NativeEngine:
         return self._on_fields(self._deactivate, state, jnp.asarray(done))
 
     def _usable_state(self) -> DecodeState:
-        """The held state, or a fresh one where a call interrupted inside a step left donated arrays in it."""
-        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self._state)):
+        """The held state, or a fresh one where none is held (`release_memory`) or a call interrupted inside a step
+        left donated arrays in it."""
+        if self._state is None or any(leaf.is_deleted() for leaf in jax.tree.leaves(self._state)):
             return self._init_state()
         return self._state
 

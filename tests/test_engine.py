@@ -16,6 +16,7 @@ from feynrl_jax.models import (
     init_params,
     logical_axes,
     logits,
+    lora,
     placeholder_params,
     sequence_logprobs,
     unstack_layers,
@@ -512,3 +513,32 @@ def test_placeholder_params_have_the_shapes_and_dtypes_the_model_computes_with(c
     assert jax.tree.structure(placeholder) == jax.tree.structure(real)
     for a, b in zip(jax.tree.leaves(placeholder), jax.tree.leaves(real)):
         assert isinstance(a, np.ndarray) and (a.shape, a.dtype) == (b.shape, b.dtype) and not a.any()
+
+
+def test_release_memory_frees_params_and_cache_and_a_reload_generates_the_same(params):
+    """`release_memory` drops the held params and decode state (the trainer's evaluation engine, between
+    evaluations); the engine refuses to generate until a load, then returns exactly what it returned before."""
+    engine = NativeEngine(CONFIG, params, num_slots=SLOTS, cache_len=48, decode_steps_per_dispatch=4)
+    sampling_params = SamplingParams(temperature=0.7, max_new_tokens=9, n=2, seed=3)
+    want = engine.generate(PROMPTS, sampling_params)
+    engine.release_memory()
+    assert engine._params is None and engine._state is None  # nothing held but the compiled programs
+    with pytest.raises(RuntimeError, match="release_memory freed them"):
+        engine.generate(PROMPTS[:1], sampling_params)
+    engine.load_params(params, 4)
+    got = engine.generate(PROMPTS, sampling_params)
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_array_equal(got.behavior_logprobs, want.behavior_logprobs)
+    assert set(got.policy_version.tolist()) == {4}
+
+
+def test_adapters_alone_are_refused_once_the_base_was_released():
+    lora_config = dataclasses.replace(CONFIG, lora_rank=4, lora_targets=("q_proj", "v_proj"))
+    lora_params = init_params(lora_config, jax.random.PRNGKey(2))
+    engine = NativeEngine(lora_config, lora_params, num_slots=SLOTS, cache_len=48)
+    engine.release_memory()
+    with pytest.raises(RuntimeError, match="holds no base params"):
+        engine.load_adapters(lora.adapters_of(lora_params), 1)
+    engine.load_params(lora_params, 2)
+    engine.load_adapters(lora.adapters_of(lora_params), 3)
+    assert set(engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2)).policy_version.tolist()) == {3}

@@ -130,16 +130,22 @@ def test_eval_command_writes_results_json(toy, tmp_path):
     assert 0.0 <= metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= 1.0
 
 
-def test_eval_reward_kwargs_reach_the_evaluators_reward(toy, tmp_path):
-    """`eval.reward_kwargs` is read by every evaluator (SFT, DPO, RL, `feynrl-jax eval`), not by RL alone."""
-    root, tokenizer, model_config = toy[0], toy[1], toy[2]
+def _gsm8k_eval_config(toy, tmp_path):
+    """An "eval" config over the toy test file, scored by the `gsm8k` reward."""
     config = base_config()
     config.paradigm = "eval"
     config.run_dir = str(tmp_path / "eval_run")
-    add_data_source(config, "toy_test", data_source("jsonl", path=str(root / "test.jsonl"), split="test"))
+    add_data_source(config, "toy_test", data_source("jsonl", path=str(toy[0] / "test.jsonl"), split="test"))
     config.data.max_prompt_len = 40
     config.data.max_seq_len = 48
     config.eval.reward = "gsm8k"
+    return config
+
+
+def test_eval_reward_kwargs_reach_the_evaluators_reward(toy, tmp_path):
+    """`eval.reward_kwargs` is read by every evaluator (SFT, DPO, RL, `feynrl-jax eval`), not by RL alone."""
+    tokenizer, model_config = toy[1], toy[2]
+    config = _gsm8k_eval_config(toy, tmp_path)
     config.eval.num_prompts = 1
     completion = "so the answer is 3"  # no "####" marker: only `fallback_last_number` grades its last number
     scores = {}
@@ -208,3 +214,28 @@ def test_eval_command_evaluates_a_peft_adapter_on_its_base(toy, tmp_path):
     adapted.model.lora.init_from = export_peft(strong, model_config, str(tmp_path / "adapter"))
     evaluate_lib.run(adapted)
     assert completions("adapted") != completions("base")  # an ignored adapter would leave the base's greedy answers
+
+
+def test_eval_release_memory_frees_the_engine_between_calls_and_changes_no_result(toy, tmp_path):
+    """`eval.release_memory` (default True): after each call the evaluator's own native engine holds no params and
+    no KV cache; with False it keeps both. Either way the calls return the same metrics."""
+    tokenizer, model_config = toy[1], toy[2]
+    params = init_params(model_config, jax.random.PRNGKey(0))
+    config = _gsm8k_eval_config(toy, tmp_path)
+    config.eval.num_prompts = 4
+    config.eval.max_new_tokens = 6
+    results = {}
+    for release in (True, False):
+        config.eval.release_memory = release
+        evaluator = evaluate_lib.evaluator_from_config(config, model_config, None, tokenizer)
+        try:
+            calls = [evaluator(params, step) for step in (0, 1)]
+            calls = [{k: v for k, v in c.items() if not k.startswith("perf/")} for c in calls]  # times differ
+            engine = evaluator.engine
+            held = (engine._params is not None, engine._state is not None)
+        finally:
+            evaluator.close()
+        assert held == ((False, False) if release else (True, True))
+        assert calls[0] == calls[1]
+        results[release] = calls[0]
+    assert results[True] == results[False]

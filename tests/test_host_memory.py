@@ -157,3 +157,24 @@ def test_retention_keeps_a_freed_block_resident_and_the_default_returns_it(monke
     # block on `free`. 512 MiB against a few MiB of interpreter noise either way.
     assert kept_mib(FEYNRL_HUGE_PAGES="0") >= 500
     assert kept_mib(FEYNRL_HUGE_PAGES="0", FEYNRL_RETAIN_MEMORY="0") < 64
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the kernel's high-water mark in /proc/self/status")
+def test_peak_rss_is_the_kernels_high_water_mark():
+    """`peak_rss_gib` (the RL trainer's `perf/train_peak_rss_gib`) against VmHWM, read before and after it, after
+    touching 256 MiB more than this process held."""
+
+    def high_water_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+    block = bytearray(256 << 20)  # zero-filled: every page touched
+    before = high_water_kib()
+    peak = host_memory.peak_rss_gib()
+    after = high_water_kib()
+    del block
+    # The kernel folds each thread's page counts into the process's in batches (64 pages a thread), so the two
+    # counters can disagree by a few MiB; 16 MiB of slack covers it, far below the 256 MiB block.
+    slack = 16 / 1024
+    assert before / 2**20 - slack <= peak <= after / 2**20 + slack
+    assert peak >= 0.25

@@ -413,6 +413,8 @@ def test_rl_trainer_step_is_the_same_in_both_layouts(tmp_path, blocks_built, alg
     assert set(blocks_built) == ({SegmentBounds(segment=8, prefix=8)} if blocks else set())
     assert rows["train/shared_prefix"] == 0.0 and shared["train/shared_prefix"] == 1.0
     assert "perf/train_tokens_per_second" in shared  # a time; only its presence is checked
+    assert shared["perf/train_update_system_seconds"] >= 0.0
+    assert shared["perf/train_peak_rss_gib"] > 0.1  # a process with JAX and a model (`peak_rss_gib`'s own test)
     _assert_same_step(rows, rows_params, shared, shared_params)
 
 

@@ -226,6 +226,10 @@ def base_config() -> ConfigDict:
     config.eval.reward = "reasoning_gym"  # Reward deciding correctness (rewards registry); "": no generation eval.
     config.eval.reward_kwargs = ConfigDict()  # Keyword arguments of `eval.reward`, e.g. {"fallback_last_number": True}.
     config.eval.success_threshold = 1.0  # A sample is correct when its reward >= this (empty: always wrong).
+    # The native evaluation engine frees its copy of the params and its KV cache after each evaluation (its compiled
+    # programs stay), so the trainer's updates between evaluations reuse that memory; False keeps them held (native
+    # engine only: vLLM keeps the memory it reserved).
+    config.eval.release_memory = True
 
     config.ray = ConfigDict()
     config.ray.address = placeholder(str)  # None: start Ray locally; else e.g. "ray://head:10001" or "auto".
