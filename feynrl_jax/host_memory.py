@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import sys
 
 HUGE_PAGES = ("glibc.malloc.hugetlb=1",)
@@ -141,7 +142,11 @@ def reexec_with_allocator_tunables() -> None:
 
 def peak_rss_gib() -> float:
     """This process's peak resident memory so far, in GiB (`getrusage`: KiB on Linux, bytes on macOS)."""
-    import resource
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def system_cpu_seconds() -> float:
+    """The CPU time this process (all its threads) has spent in the kernel so far: on a machine whose memory is
+    backed lazily, mostly page faults of memory it had not touched before."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime

@@ -211,8 +211,8 @@ class NativeEngine:
         between updates): until the next `load_params` it holds no memory of its own, so the memory it used is free
         for that work, and nothing it keeps splits the process's heap between that work's large buffers. The next
         `load_params` places the params again (as every load does) and the next `generate` builds a fresh state
-        (zeros; a free slot's cache is never read, so the results are the same). A LoRA engine's next load must
-        carry the base (`load_params`): `load_adapters` has none to combine with.
+        (zeros; a free slot's cache is never read, so the results are the same). Until then `generate` and
+        `warm_up` refuse to run, and `load_adapters` too (a LoRA engine's next load must carry the base).
         """
         self._params = None
         self._state = None
@@ -233,11 +233,7 @@ class NativeEngine:
         """
         if not self.config.lora_rank:
             raise ValueError("load_adapters: this engine's model config has no LoRA adapters (lora_rank=0)")
-        if self._params is None:
-            raise RuntimeError(
-                "load_adapters: the engine holds no base params (release_memory freed them, or a load failed); "
-                "call load_params"
-            )
+        self._require_params("load_adapters")  # the base the adapters combine with
         if self.param_shardings is not None:
             adapters = jax.device_put(adapters, lora.adapters_of(self.param_shardings))
         base = lora.base_params(self._params)
@@ -267,11 +263,7 @@ class NativeEngine:
             strings without `detokenize` (each message names the prompt or setting).
         """
         start_time = time.perf_counter()
-        if self._params is None:
-            raise RuntimeError(
-                "NativeEngine: no params loaded (the last load_params failed, or release_memory freed them); "
-                "load params first"
-            )
+        self._require_params("generate")
         prompts = [list(map(int, p)) for p in prompts]
         caps = self._check_request(prompts, sampling, max_new_tokens)
         n = sampling.n
@@ -410,6 +402,7 @@ class NativeEngine:
             buckets prefilled, and 1.0 unless `stop()` cut the warm-up short.
         """
         t0 = time.perf_counter()
+        self._require_params("warm_up")
         lengths = sorted({int(n) for n in prompt_lengths})
         if not lengths or lengths[0] < 1:
             raise ValueError(f"NativeEngine.warm_up: prompt lengths must be >= 1, got {list(prompt_lengths)}")
@@ -509,6 +502,13 @@ class NativeEngine:
         """`state` with the slots where `done` (host bools, one per row) freed (a stop string; its warm-up passes
         the mask the same way)."""
         return self._on_fields(self._deactivate, state, jnp.asarray(done))
+
+    def _require_params(self, caller: str) -> None:
+        if self._params is None:
+            raise RuntimeError(
+                f"NativeEngine.{caller}: no params loaded (the last load_params failed, or release_memory freed "
+                "them); call load_params first"
+            )
 
     def _usable_state(self) -> DecodeState:
         """The held state, or a fresh one where none is held (`release_memory`) or a call interrupted inside a step

@@ -239,3 +239,12 @@ def test_eval_release_memory_frees_the_engine_between_calls_and_changes_no_resul
         assert calls[0] == calls[1]
         results[release] = calls[0]
     assert results[True] == results[False]
+    # An engine handed in (the RL run's vLLM workers, TRL's in the learning benchmark) is the caller's: never freed.
+    config.eval.release_memory = True
+    handed = NativeEngine(model_config, params, num_slots=4, cache_len=48)
+    evaluator = evaluate_lib.evaluator_from_config(config, model_config, None, tokenizer, engine=handed)
+    try:
+        evaluator(params, 0)
+    finally:
+        evaluator.close()
+    assert handed._params is not None and handed._state is not None

@@ -173,8 +173,8 @@ def test_peak_rss_is_the_kernels_high_water_mark():
     peak = host_memory.peak_rss_gib()
     after = high_water_kib()
     del block
-    # The kernel folds each thread's page counts into the process's in batches (64 pages a thread), so the two
-    # counters can disagree by a few MiB; 16 MiB of slack covers it, far below the 256 MiB block.
+    # The kernel keeps a process's resident-page count in per-thread or per-CPU parts that it folds together lazily,
+    # so two reads can disagree by a few MiB; 16 MiB of slack covers it, far below the 256 MiB block.
     slack = 16 / 1024
     assert before / 2**20 - slack <= peak <= after / 2**20 + slack
     assert peak >= 0.25

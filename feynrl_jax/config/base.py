@@ -227,8 +227,8 @@ def base_config() -> ConfigDict:
     config.eval.reward_kwargs = ConfigDict()  # Keyword arguments of `eval.reward`, e.g. {"fallback_last_number": True}.
     config.eval.success_threshold = 1.0  # A sample is correct when its reward >= this (empty: always wrong).
     # The native evaluation engine frees its copy of the params and its KV cache after each evaluation (its compiled
-    # programs stay), so the trainer's updates between evaluations reuse that memory; False keeps them held (native
-    # engine only: vLLM keeps the memory it reserved).
+    # programs stay), so the trainer's updates between evaluations reuse that memory; False keeps them held. A vLLM
+    # engine (rollout.engine="vllm") keeps what it reserved at start-up either way, as False asks.
     config.eval.release_memory = True
 
     config.ray = ConfigDict()

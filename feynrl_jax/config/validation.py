@@ -444,12 +444,6 @@ def _check_rollout(config, bad):
                 "rollout.warmup=False applies to the native engine only: vLLM warms up when its engine starts (a "
                 "profiling run; with rollout.vllm.enforce_eager=False also torch.compile and CUDA graphs).",
             )
-        if not config.eval.release_memory:
-            bad(
-                "eval.release_memory",
-                "eval.release_memory=False applies to the native engine only: with rollout.engine='vllm' the "
-                "evaluation generates on a vLLM engine, which keeps the memory it reserved when it started.",
-            )
 
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16")

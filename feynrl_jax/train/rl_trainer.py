@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import logging
 import os
-import resource
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,7 +58,7 @@ from feynrl_jax.config.derived import (
     off_policy_problem,
 )
 from feynrl_jax.config.errors import ConfigError
-from feynrl_jax.host_memory import peak_rss_gib
+from feynrl_jax.host_memory import peak_rss_gib, system_cpu_seconds
 from feynrl_jax.losses import Algorithm, TrainBatch, compute_metrics, get_algorithm
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
@@ -853,10 +852,10 @@ class RLTrainer:
         batch, metrics = build_rl_batch(rollouts, np.asarray(rewards, np.float32), layout, self.passes(), self.settings)
         sample_tokens = float((layout.rows.segment_ids > 0).sum())
         prep_seconds = time.perf_counter() - t0
-        t1, usage = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        t1, kernel_seconds = time.perf_counter(), system_cpu_seconds()
         metrics.update(self.update(batch, shuffle_seed=shuffle_seed, step=step))
         train_seconds = time.perf_counter() - t1
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        kernel_seconds = system_cpu_seconds() - kernel_seconds
         if step == self.settings.steps:
             self.finish()
         self.policy_version += 1
@@ -868,7 +867,7 @@ class RLTrainer:
                 "perf/train_update_seconds": train_seconds,
                 # The process's CPU time in the kernel during the update (all its threads): mostly faulting in
                 # memory it had not touched before. Then its peak resident memory so far.
-                "perf/train_update_system_seconds": after.ru_stime - usage.ru_stime,
+                "perf/train_update_system_seconds": kernel_seconds,
                 "perf/train_peak_rss_gib": peak_rss_gib(),
                 "perf/train_tokens_per_second": tokens / max(train_seconds, 1e-9),
             }
