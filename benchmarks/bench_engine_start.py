@@ -60,7 +60,7 @@ def measure(side: str, generate: bool) -> dict[str, float]:
         return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, replicated), tree)
 
     indices = [jnp.int32(i) for i in range(layers)]
-    slot = jnp.int32(3)
+    slot, row = jnp.int32(3), jnp.int32(0)
     fields_args = (jnp.int32(7), jnp.int32(50), jnp.int32(16), jnp.zeros((2,), jnp.uint32))
 
     if side == "all_layers":
@@ -98,7 +98,7 @@ def measure(side: str, generate: bool) -> dict[str, float]:
         def insert_per_layer(state):
             ks, vs = list(state.cache.k), list(state.cache.v)
             for layer, index in enumerate(indices):
-                ks[layer], vs[layer] = insert_prefix(ks[layer], vs[layer], prefix, index, slot)
+                ks[layer], vs[layer] = insert_prefix(ks[layer], vs[layer], prefix, index, slot, row)
             fields = insert_fields(state._replace(cache=None), slot, *fields_args)
             return fields._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
 

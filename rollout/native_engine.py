@@ -54,6 +54,16 @@ from feynrl_jax.rollout.slots import DecodeState, deactivate, init_state, insert
 from feynrl_jax.rollout.stop_strings import StopStringMatcher
 from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, assemble_rollouts
 
+PREFILL_BATCH = 4
+"""Prompts per batched prefill, where each prompt is sampled once (an evaluation). Prefill runs each prompt's tokens
+through the model, and one prompt's ~30 tokens make too small a matrix product for the CPU: SmolLM2-135M, float32,
+28-token prompts in a 32-token bucket, on the 2-core Intel Xeon took 85 ms per prompt one at a time, 43 ms in batches
+of 4, 36 ms of 8 and 29 ms of 32 (a profiling script, not kept); the demo's evaluation, 64 prompts, went from 7.35 to
+5.46 s (`benchmarks/bench_prefill_batch.py`). With several samples per prompt one prefill already serves them all: a
+demo rollout (8 samples each, 4 new prompts at a time) gained 0.28 s of 3.38, while compiling the second prefill
+program lengthened the rollout worker's warm-up from 12-16 s to 19-20 s and the first step by about 3 s on 2 cores
+(`benchmarks/learning_vs_trl.py`, seeds 0 and 1), so those prompts are prefilled one at a time."""
+
 
 class NativeEngine:
     """Continuous-batching generation with the project's own model (implements `RolloutEngine`).
@@ -72,10 +82,15 @@ class NativeEngine:
         False keeps every dispatch at `num_slots` rows (benchmarks). Off where `cache_sharding` shards the slot
         axis. A short tail (the demo's 16 new tokens, 8 steps per dispatch) stays in the whole batch: its first
         step had paid for compiling the narrower dispatches without gaining from them.
+      prefill_batch: with one sample per prompt, prompts of one prefill bucket that enter the slots together are
+        prefilled this many at a time while more than half of such a batch is left (one compiled prefill more per
+        bucket); 1: one at a time (benchmarks). See `PREFILL_BATCH`.
       detokenize: token ids -> text; needed for `SamplingParams.stop_strings`.
       param_shardings: optional pytree of shardings matching `params`.
       cache_sharding: optional sharding of the KV cache as if stacked (k `[L, slots, K, Dh, S]`, v `[L, slots, K,
-        S, Dh]`), the layer axis unsharded; each layer's array gets it without the layer axis.
+        S, Dh]`), the layer axis unsharded; each layer's array gets it without the layer axis. None with
+        `param_shardings` on a mesh: the cache's heads axis sharded as the K projection's heads axis, the rest
+        replicated (`_cache_sharding_like`).
       policy_version: version of `params`.
 
     Attributes:
@@ -93,6 +108,7 @@ class NativeEngine:
         min_prefill_bucket: int = 16,
         continuous_refill: bool = True,
         narrow_tail: bool = True,
+        prefill_batch: int = PREFILL_BATCH,
         detokenize: Callable[[list[int]], str] | None = None,
         param_shardings: Any = None,
         cache_sharding: jax.sharding.Sharding | None = None,
@@ -102,14 +118,18 @@ class NativeEngine:
             ("num_slots", num_slots, 1),
             ("cache_len", cache_len, 2),
             ("decode_steps_per_dispatch", decode_steps_per_dispatch, 1),
+            ("prefill_batch", prefill_batch, 1),
         ):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"NativeEngine: {name} must be an int >= {low}, got {value!r}")
+        if cache_sharding is None:
+            cache_sharding = _cache_sharding_like(param_shardings)
         self.config = config
         self.num_slots = num_slots
         self.cache_len = cache_len
         self.decode_steps_per_dispatch = decode_steps_per_dispatch
         self.continuous_refill = continuous_refill
+        self.prefill_batch = prefill_batch
         slot_axis_sharded = cache_sharding is not None and len(cache_sharding.spec) > 1 and cache_sharding.spec[1]
         # The decode batch widths, widest first: num_slots, a quarter of it, ... (one compiled dispatch each).
         self.decode_widths = [num_slots]
@@ -298,11 +318,10 @@ class NativeEngine:
             while True:
                 free = [s for s in range(len(slot_row)) if slot_row[s] is None]
                 if self.continuous_refill or len(free) == len(slot_row):
-                    for slot in free:
-                        if not waiting:
-                            break
-                        row = waiting.popleft()
-                        state = self._insert_row(state, slot, row, rows, prompts, caps, keys, prefixes, stats)
+                    taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+                    self._prefill_prompts([rows[row][0] for row in taken], rows, prompts, prefixes, stats, n)
+                    for slot, row in zip(free, taken):
+                        state = self._insert_row(state, slot, row, rows, prompts, caps, keys, prefixes)
                         slot_row[slot] = row
                 if all(r is None for r in slot_row):
                     break
@@ -370,6 +389,7 @@ class NativeEngine:
             "generated_tokens": generated,
             "dispatches": stats["dispatches"],
             "prefills": stats["prefills"],
+            "prefill_calls": stats["prefill_calls"],
             "slot_utilisation": generated / max(stats["slot_steps"], 1),
             "narrowings": stats["narrowings"],
         }
@@ -433,6 +453,14 @@ class NativeEngine:
         kept_stats = self.last_stats
         self.generate([[pad] * n for n in by_bucket.values()], sampling, max_new_tokens=[1] * len(by_bucket))
         self.last_stats = kept_stats
+        batched = self._batched_prefill_buckets(prompt_lengths, sampling.n)
+        for bucket in batched:  # that bucket's batched prefill and its insert (any layer: one program serves all)
+            size = self.prefill_batch
+            prefix = self._prefill(self._params, jnp.zeros((size, bucket), jnp.int32), jnp.zeros(size, jnp.int32))
+            ks, vs = list(self._state.cache.k), list(self._state.cache.v)
+            zero = jnp.int32(0)  # slot 0 is free: its cache is never read
+            ks[0], vs[0] = self._insert_prefix(ks[0], vs[0], prefix, self._layer_indices[0], zero, zero)
+            self._state = self._state._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
         ids = np.zeros(rows, np.int32)
         jax.block_until_ready(sampling_lib.row_keys(sampling.seed, ids, ids))
         if sampling.stop_strings:  # a stop string frees its slot (here none: every slot is free already)
@@ -467,8 +495,19 @@ class NativeEngine:
             "seconds": time.perf_counter() - t0,
             "dispatch_programs": float(compiled),
             "prefill_buckets": float(len(by_bucket)),
+            "batched_prefill_buckets": float(len(batched)),
             "complete": float(complete),
         }
+
+    def _batched_prefill_buckets(self, prompt_lengths: Sequence[int], n: int) -> list[int]:
+        """The prefill buckets in which a batch of prompts of `prompt_lengths`, `n` samples each, may prefill more
+        than half of `prefill_batch` prompts at once (`_prefill_batches`): with one sample per prompt, those whose
+        prompts number more, where the slots can hold as many."""
+        if self.prefill_batch == 1 or n > 1:
+            return []
+        counts = collections.Counter(pick_bucket(self.buckets, max(int(k) - 1, 1)) for k in prompt_lengths)
+        half = self.prefill_batch // 2
+        return sorted(b for b, count in counts.items() if min(count, self.num_slots) > half)
 
     def _narrows(self, rows: int, caps: int) -> bool:
         """Whether a batch of `rows` rows capped at `caps` new tokens can narrow its tail (`generate`): only while
@@ -571,29 +610,58 @@ class NativeEngine:
                 )
         return caps
 
-    def _insert_row(self, state, slot, row, rows, prompts, caps, keys, prefixes, stats) -> DecodeState:
+    def _prefill_prompts(self, indices, rows, prompts, prefixes, stats, n) -> None:
+        """Prefills the prompts among `indices` (the prompts of the rows about to be inserted) whose prefix KV is not
+        held yet, into `prefixes` (prompt index -> [prefix KV, its row in it, samples still to insert]).
+
+        With one sample per prompt (`n`), prompts of one prefill bucket go `prefill_batch` at a time (padding rows
+        of length 0 fill a short batch) while more than half a batch of them is left, the rest one at a time
+        (`_prefill_batches`). A one-token
+        prompt has an empty prefix: prefilling zero tokens writes nothing (segment id 0), and going through the
+        same compiled prefill/insert keeps the number of programs down.
+        """
+        new = list(dict.fromkeys(i for i in indices if i not in prefixes))
+        by_bucket: dict[int, list[int]] = {}
+        for index in new:
+            by_bucket.setdefault(pick_bucket(self.buckets, max(len(prompts[index]) - 1, 1)), []).append(index)
+        for bucket, group in by_bucket.items():
+            for batch in self._prefill_batches(group, n):
+                size = self.prefill_batch if len(batch) > 1 else 1
+                padded = np.zeros((size, bucket), np.int32)
+                lengths = np.zeros(size, np.int32)
+                for j, index in enumerate(batch):
+                    lengths[j] = len(prompts[index]) - 1
+                    padded[j, : lengths[j]] = prompts[index][:-1]
+                prefix = self._prefill(self._params, jnp.asarray(padded), jnp.asarray(lengths))
+                stats["prefills"] += len(batch)
+                stats["prefill_calls"] += 1
+                for j, index in enumerate(batch):
+                    prefixes[index] = [prefix, jnp.int32(j), sum(1 for p, _ in rows if p == index)]
+
+    def _prefill_batches(self, group: list, n: int) -> list[list]:
+        """`group` (prompts of one bucket, `n` samples each) cut into prefill batches: with one sample per prompt,
+        `prefill_batch` at a time while more than half of one is left (a batch costs about as much as half its rows
+        prefilled one at a time), then one at a time; with several, one at a time (see `PREFILL_BATCH`)."""
+        batches, size = [], self.prefill_batch if n == 1 else 1
+        while size > 1 and len(group) > size // 2:
+            batches.append(group[:size])
+            group = group[size:]
+        return batches + [[index] for index in group]
+
+    def _insert_row(self, state, slot, row, rows, prompts, caps, keys, prefixes) -> DecodeState:
         prompt_index, _ = rows[row]
         prompt = prompts[prompt_index]
-        if prompt_index not in prefixes:
-            # A one-token prompt has an empty prefix: prefilling zero tokens writes nothing (segment id 0), and
-            # going through the same compiled prefill/insert keeps the number of programs down.
-            bucket = pick_bucket(self.buckets, max(len(prompt) - 1, 1))
-            padded = np.zeros((1, bucket), np.int32)
-            padded[0, : len(prompt) - 1] = prompt[:-1]
-            prefix = self._prefill(self._params, jnp.asarray(padded), jnp.asarray([len(prompt) - 1], jnp.int32))
-            stats["prefills"] += 1
-            prefixes[prompt_index] = [prefix, sum(1 for p, _ in rows if p == prompt_index)]
         entry = prefixes[prompt_index]
         slot_index = jnp.int32(slot)
         fields_args = (jnp.int32(prompt[-1]), jnp.int32(len(prompt)), jnp.int32(caps[prompt_index]), keys[row])
         ks, vs = list(state.cache.k), list(state.cache.v)
         for layer, index in enumerate(self._layer_indices):
-            ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], entry[0], index, slot_index)
+            ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], entry[0], index, slot_index, entry[1])
         fields = self._insert(_without_cache(state), slot_index, *fields_args)
         state = fields._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
-        entry[1] -= 1
-        if entry[1] == 0:
-            del prefixes[prompt_index]  # every sample inserted: free the prefix KV
+        entry[2] -= 1
+        if entry[2] == 0:
+            del prefixes[prompt_index]  # every sample inserted: free this prompt's hold on the prefix KV
         return state
 
 
@@ -620,6 +688,24 @@ def _decode_inputs(sampling: SamplingParams) -> tuple[tuple, dict[str, Any]]:
 def _without_cache(state: DecodeState) -> DecodeState:
     """The state's per-slot fields: the state without its cache (`cache=None`)."""
     return state._replace(cache=None)
+
+
+def _cache_sharding_like(param_shardings: Any) -> jax.sharding.NamedSharding | None:
+    """The KV cache's sharding for params placed on a mesh (the trainer's evaluation engine): its heads axis on the
+    mesh axis of the K projection's heads axis, where XLA puts the keys a prefill computes, the rest replicated on
+    that mesh; None where the params carry no mesh shardings.
+
+    Left unplaced, a fresh decode state lived on one device until its first programs moved it onto the mesh, so each
+    of those programs compiled twice: once for each placement (a warmed-up engine compiled again after
+    `release_memory`)."""
+    try:
+        kernel = param_shardings["layers"]["k_proj"]["kernel"]  # [L, D, K, Dh]
+    except (KeyError, TypeError):
+        return None
+    if not isinstance(kernel, jax.sharding.NamedSharding):
+        return None
+    spec = tuple(kernel.spec) + (None,) * (4 - len(kernel.spec))
+    return jax.sharding.NamedSharding(kernel.mesh, jax.sharding.PartitionSpec(None, None, spec[2]))
 
 
 def _per_layer_sharding(cache_sharding: jax.sharding.Sharding) -> jax.sharding.NamedSharding:

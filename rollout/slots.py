@@ -90,10 +90,11 @@ def insert(
 
 
 def insert_prefix(
-    k: jax.Array, v: jax.Array, prefix: KVCache, layer: jax.Array, slot: jax.Array
+    k: jax.Array, v: jax.Array, prefix: KVCache, layer: jax.Array, slot: jax.Array, row: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """One layer's cache with that layer of a prompt's KV written into row `slot` (jit with `k`, `v` donated; the
-    layer and slot are traced, so one compiled program serves every layer and slot).
+    """One layer's cache with that layer of a prompt's KV (row `row` of a prefill's batch) written into row `slot`
+    (jit with `k`, `v` donated; the layer, slot and row are traced, so one compiled program serves every layer, slot
+    and row of a prefill batch's size).
 
     One program for every layer, run once per layer: with `insert` beside it, inserting compiled in 0.16 s, where one
     program writing all 30 layers of SmolLM2-135M (and the fields) compiled each write as a kernel of its own: 1.46 s
@@ -101,16 +102,17 @@ def insert_prefix(
 
     Args:
       k: `[slots, K, Dh, S]` the layer's keys; v: `[slots, K, S, Dh]` its values.
-      prefix: KV of the prompt without its last token, k `[L, 1, K, Dh, bucket]` and v `[L, 1, K, bucket, Dh]`
+      prefix: KV of prompts without their last token, k `[L, B, K, Dh, bucket]` and v `[L, B, K, bucket, Dh]`
         (entries at or beyond `prompt_length - 1` are ignored).
       layer: scalar int32, the layer.
       slot: scalar int32.
+      row: scalar int32, the prompt's row in `prefix`.
 
     Returns:
       `(k, v)` updated.
     """
-    new_k = jax.lax.dynamic_index_in_dim(prefix.k, layer, keepdims=False)
-    new_v = jax.lax.dynamic_index_in_dim(prefix.v, layer, keepdims=False)
+    new_k = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(prefix.k, layer, keepdims=False), row, 1)
+    new_v = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(prefix.v, layer, keepdims=False), row, 1)
     start = (slot, 0, 0, 0)
     k = jax.lax.dynamic_update_slice(k, new_k.astype(k.dtype), start)
     v = jax.lax.dynamic_update_slice(v, new_v.astype(v.dtype), start)

@@ -241,6 +241,38 @@ def test_tensor_parallel_engine_matches_single_device(engine, params):
         assert all(a.sharding.is_equivalent_to(layer_sharding, 4) for a in arrays)
 
 
+def test_an_engine_on_the_trainers_mesh_keeps_its_state_there_from_the_start(engine, params):
+    """With `param_shardings` and no `cache_sharding` (the trainer's evaluation engine) the decode state lives on the
+    params' mesh from the start, each layer's cache heads on the K projection's heads axis ("tensor"), the per-slot
+    fields replicated. So a warmed-up engine compiles nothing for its batch, before or after `release_memory`: a
+    fresh state on one device compiled every dispatch a second time once the first had moved the state onto the
+    mesh."""
+    from feynrl_jax.sharding import RULES, make_mesh
+    from feynrl_jax.sharding import param_shardings as make_param_shardings
+
+    mesh = make_mesh(data=4, fsdp=1, tensor=2)
+    shardings = make_param_shardings(logical_axes(CONFIG), mesh, RULES["fsdp_tp"], shapes=params)
+    sharded = NativeEngine(
+        CONFIG, params, num_slots=4, cache_len=48, decode_steps_per_dispatch=3, param_shardings=shardings
+    )
+    layer_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor", None, None))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    assert all(k.sharding.is_equivalent_to(layer_sharding, 4) for k in sharded._state.cache.k)
+    assert sharded._state.tokens.sharding.is_equivalent_to(replicated, 1)
+    sampling_params = SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=4)
+    sharded.warm_up([len(p) for p in PROMPTS], sampling_params)
+    compiled, got = _compiled_during(lambda: sharded.generate(PROMPTS, sampling_params))
+    assert compiled == [], f"the warmed-up engine compiled {compiled}"
+    sharded.release_memory()
+    sharded.load_params(params, 1)
+    compiled, again = _compiled_during(lambda: sharded.generate(PROMPTS, sampling_params))
+    assert compiled == [], f"the engine compiled {compiled} after release_memory"
+    want = engine.generate(PROMPTS, sampling_params)
+    for rollouts in (got, again):
+        np.testing.assert_array_equal(rollouts.completion_ids, want.completion_ids)
+        np.testing.assert_allclose(rollouts.behavior_logprobs, want.behavior_logprobs, atol=1e-5)
+
+
 def test_engine_recovers_after_an_error_mid_generation(engine):
     sampling_params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=8)
     want = engine.generate(PROMPTS, sampling_params)
@@ -336,20 +368,46 @@ def test_engine_splits_its_weights_with_one_program_for_every_layer():
 
 
 def test_inserting_a_prompt_writes_its_slot_of_one_layer_and_nothing_else():
-    layers, slots, heads, dh, cache_len, bucket = 3, 4, 2, 5, 12, 8
+    """Row 1 of a prefill batch of 3, layer 2, into slot 1."""
+    layers, slots, heads, dh, cache_len, bucket, batch = 3, 4, 2, 5, 12, 8, 3
     keys = jax.random.split(jax.random.PRNGKey(5), 4)
     k = jax.random.normal(keys[0], (slots, heads, dh, cache_len))
     v = jax.random.normal(keys[1], (slots, heads, cache_len, dh))
     prefix = KVCache(
-        k=jax.random.normal(keys[2], (layers, 1, heads, dh, bucket)),
-        v=jax.random.normal(keys[3], (layers, 1, heads, bucket, dh)),
+        k=jax.random.normal(keys[2], (layers, batch, heads, dh, bucket)),
+        v=jax.random.normal(keys[3], (layers, batch, heads, bucket, dh)),
     )
-    new_k, new_v = jax.jit(insert_prefix)(k, v, prefix, jnp.int32(2), jnp.int32(1))
+    new_k, new_v = jax.jit(insert_prefix)(k, v, prefix, jnp.int32(2), jnp.int32(1), jnp.int32(1))
     want_k, want_v = np.array(k), np.array(v)
-    want_k[1, :, :, :bucket] = prefix.k[2, 0]
-    want_v[1, :, :bucket] = prefix.v[2, 0]
+    want_k[1, :, :, :bucket] = prefix.k[2, 1]
+    want_v[1, :, :bucket] = prefix.v[2, 1]
     np.testing.assert_array_equal(new_k, want_k)
     np.testing.assert_array_equal(new_v, want_v)
+
+
+def test_prompts_entering_together_prefill_in_batches_and_sample_the_same(engine, params):
+    """Prompts of one prefill bucket that enter the slots together, one sample each, are prefilled `prefill_batch`
+    at a time while more than half a batch is left (padding rows fill a short batch), the rest one at a time: 7
+    one-sample prompts of one bucket in 8 slots take a batch of 4 and one of 3 padded to 4. The completions are those
+    of an engine that prefills one prompt at a time (log-probabilities to float32 rounding: the prefill's matrix
+    products have another row count)."""
+    prompts = [[3 + i, 4 + i, 5 + i, 6 + i] for i in range(7)]
+    sampling_params = SamplingParams(temperature=0.8, max_new_tokens=6, seed=9)
+    batched = NativeEngine(CONFIG, params, num_slots=8, cache_len=48, decode_steps_per_dispatch=3)
+    single = NativeEngine(CONFIG, params, num_slots=8, cache_len=48, decode_steps_per_dispatch=3, prefill_batch=1)
+    got, want = batched.generate(prompts, sampling_params), single.generate(prompts, sampling_params)
+    assert (batched.last_stats["prefills"], batched.last_stats["prefill_calls"]) == (7, 2)
+    assert (single.last_stats["prefills"], single.last_stats["prefill_calls"]) == (7, 7)
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_allclose(got.behavior_logprobs, want.behavior_logprobs, atol=1e-5)
+    # Two prompts are not more than half a batch: one at a time.
+    engine.generate(prompts[:2], sampling_params)
+    assert engine.last_stats["prefill_calls"] == 2
+    # With several samples per prompt one prefill serves them all already: one at a time, and none warmed up.
+    batched.generate(prompts, dataclasses.replace(sampling_params, n=2))
+    assert (batched.last_stats["prefills"], batched.last_stats["prefill_calls"]) == (7, 7)
+    assert batched.warm_up([4] * 7, dataclasses.replace(sampling_params, n=2))["batched_prefill_buckets"] == 0
+    assert batched.warm_up([4] * 7, sampling_params)["batched_prefill_buckets"] == 1
 
 
 def test_one_insert_program_serves_every_layer_and_slot(params):
