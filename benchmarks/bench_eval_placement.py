@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from bench_eval_release import report_sides
+from bench_report import report_sides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDES = ("placed", "unplaced")

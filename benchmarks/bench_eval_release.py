@@ -28,6 +28,7 @@ import statistics
 import tempfile
 
 from bench_compile_cache import demo_metrics
+from bench_report import report_sides
 
 SIDES = {"freed": True, "kept": False}
 
@@ -64,20 +65,6 @@ def main() -> None:
             runs[side].append(result)
             print(f"round {round_ + 1}, {side}: {json.dumps({k: round(v, 2) for k, v in result.items()})}", flush=True)
     report_sides(runs, "freed", "kept", settings=vars(args), json_path=args.json)
-
-
-def report_sides(runs: dict[str, list[dict[str, float]]], base: str, other: str, *, settings: dict, json_path: str):
-    """Prints the medians of each figure over the runs of the sides `base` and `other` and their ratio other/base,
-    and writes them, the settings and the runs to `json_path` unless it is empty."""
-    medians = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-    ratios = {k: medians[other][k] / medians[base][k] for k in medians[base] if medians[base][k] > 0}
-    print(f"\n{'':34} {base:>9} {other:>9} {other + '/' + base:>16}")
-    for key in medians[base]:
-        ratio = f"{ratios[key]:.2f}x" if key in ratios else ""
-        print(f"{key:34} {medians[base][key]:9.2f} {medians[other][key]:9.2f} {ratio:>16}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"settings": settings, "medians": medians, "ratios": ratios, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

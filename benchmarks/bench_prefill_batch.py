@@ -70,6 +70,7 @@ def main() -> None:
             engine.generate(leg_prompts, sampling)
     seconds: dict[tuple[str, str], list[float]] = {}
     calls: dict[tuple[str, str], float] = {}
+    differing: dict[str, list[int]] = {leg: [] for leg in legs}
     for round_ in range(args.rounds):
         for leg, (leg_prompts, sampling) in legs.items():
             sides = list(engines) if round_ % 2 == 0 else list(engines)[::-1]
@@ -85,6 +86,7 @@ def main() -> None:
                 .any(axis=1)
                 .sum()
             )
+            differing[leg].append(differ)
             print(
                 f"round {round_ + 1}, {leg}: "
                 + ", ".join(f"{side} {seconds[(leg, side)][-1]:.2f} s" for side in engines)
@@ -99,6 +101,7 @@ def main() -> None:
             "prefill_calls": {side: calls[(leg, side)] for side in engines},
             "one_at_a_time_over_batched": medians["one_at_a_time"] / medians["batched"],
             "rows": len(legs[leg][0]) * legs[leg][1].n,
+            "completions_that_differ_per_round": differing[leg],
         }
         print(
             f"{leg:10s}: batched {medians['batched']:.2f} s ({calls[(leg, 'batched')]:.0f} prefill calls), one at a "

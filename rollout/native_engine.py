@@ -37,6 +37,7 @@ array (a CPU decode step takes 0.75-0.9x as long; `benchmarks/bench_decode_step.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -57,12 +58,12 @@ from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts, Sampl
 PREFILL_BATCH = 4
 """Prompts per batched prefill, where each prompt is sampled once (an evaluation). Prefill runs each prompt's tokens
 through the model, and one prompt's ~30 tokens make too small a matrix product for the CPU: SmolLM2-135M, float32,
-28-token prompts in a 32-token bucket, on the 2-core Intel Xeon took 85 ms per prompt one at a time, 43 ms in batches
-of 4, 36 ms of 8 and 29 ms of 32 (a profiling script, not kept); the demo's evaluation, 64 prompts, went from 7.35 to
-5.46 s (`benchmarks/bench_prefill_batch.py`). With several samples per prompt one prefill already serves them all: a
-demo rollout (8 samples each, 4 new prompts at a time) gained 0.28 s of 3.38, while compiling the second prefill
-program lengthened the rollout worker's warm-up from 12-16 s to 19-20 s and the first step by about 3 s on 2 cores
-(`benchmarks/learning_vs_trl.py`, seeds 0 and 1), so those prompts are prefilled one at a time."""
+28-token prompts in a 32-token bucket, on the 2-core Intel Xeon took 85 ms per prompt one at a time, 43 ms in batches of
+4, 36 ms of 8 and 29 ms of 32 (a profiling script, not kept); the demo's evaluation, 64 prompts, went from 7.32 to 5.44
+s (1.35x; 1.31x in a second run, `benchmarks/bench_prefill_batch.py`). With several samples per prompt one prefill
+already serves them all: a demo rollout (8 samples each, 4 new prompts at a time) gained 0.28 s of 3.38, while compiling
+the second prefill program lengthened the rollout worker's warm-up from 12-16 s to 19-20 s and the first step by about 3
+s on 2 cores (`benchmarks/learning_vs_trl.py`, seeds 0 and 1), so those prompts are prefilled one at a time."""
 
 
 class NativeEngine:
@@ -302,7 +303,7 @@ class NativeEngine:
         finish = np.full(len(rows), FINISH_LENGTH, np.int32)
         checked = [0] * len(rows)
         waiting = collections.deque(range(len(rows)))
-        prefixes: dict[int, list] = {}  # prompt index -> [prefix KV, samples still to insert]
+        prefixes: dict[int, _Prefix] = {}  # prompt index -> its prefix KV while samples are left to insert
         slot_row: list[int | None] = [None] * self.num_slots
         stats = collections.Counter()
 
@@ -406,8 +407,9 @@ class NativeEngine:
             fills the jit's cache; nothing runs);
           - a real one-token generation of one dummy prompt per prefill bucket of these lengths, `sampling.n`
             samples each: prefill, the KV insertion and the other small programs, run once (it also touches the
-            cache's memory once); the rows' sampling keys for the batch's row count; with stop strings, the
-            release of a slot;
+            cache's memory once); with one sample per prompt, each of these buckets' batched prefill and its
+            insertion (`_batched_prefill_buckets`); the rows' sampling keys for the batch's row count; with stop
+            strings, the release of a slot;
           - where the batch's tail can narrow (`narrow_tail`, see `_narrows`): the gathers from each width to
             each narrower one, each narrower width's dispatches (attend lengths as above) and, with stop strings,
             its slot release. `stop()` (say, a generation is waiting for the engine) ends the warm-up before
@@ -418,8 +420,9 @@ class NativeEngine:
         lengths compiles those when it first needs them, as without a warm-up.
 
         Returns:
-            `{"seconds", "dispatch_programs", "prefill_buckets", "complete"}`: the decode programs compiled, the
-            buckets prefilled, and 1.0 unless `stop()` cut the warm-up short.
+            `{"seconds", "dispatch_programs", "prefill_buckets", "batched_prefill_buckets", "complete"}`: the decode
+            programs compiled, the buckets prefilled (one prompt, and a batch of them), and 1.0 unless `stop()` cut
+            the warm-up short.
         """
         t0 = time.perf_counter()
         self._require_params("warm_up")
@@ -456,7 +459,9 @@ class NativeEngine:
         batched = self._batched_prefill_buckets(prompt_lengths, sampling.n)
         for bucket in batched:  # that bucket's batched prefill and its insert (any layer: one program serves all)
             size = self.prefill_batch
-            prefix = self._prefill(self._params, jnp.zeros((size, bucket), jnp.int32), jnp.zeros(size, jnp.int32))
+            # Host arrays as `_prefill_prompts` passes them: staging each shape onto the device compiles a program too.
+            tokens, lengths = jnp.asarray(np.zeros((size, bucket), np.int32)), jnp.asarray(np.zeros(size, np.int32))
+            prefix = self._prefill(self._params, tokens, lengths)
             ks, vs = list(self._state.cache.k), list(self._state.cache.v)
             zero = jnp.int32(0)  # slot 0 is free: its cache is never read
             ks[0], vs[0] = self._insert_prefix(ks[0], vs[0], prefix, self._layer_indices[0], zero, zero)
@@ -500,14 +505,13 @@ class NativeEngine:
         }
 
     def _batched_prefill_buckets(self, prompt_lengths: Sequence[int], n: int) -> list[int]:
-        """The prefill buckets in which a batch of prompts of `prompt_lengths`, `n` samples each, may prefill more
-        than half of `prefill_batch` prompts at once (`_prefill_batches`): with one sample per prompt, those whose
-        prompts number more, where the slots can hold as many."""
-        if self.prefill_batch == 1 or n > 1:
+        """The prefill buckets whose batched prefill `warm_up` compiles for prompts of `prompt_lengths`, `n` samples
+        each: with one sample per prompt, every bucket of these lengths, where the slots hold more than half a
+        prefill batch (`_prefill_batches`). Every bucket, not only those with enough prompts here: a rollout worker
+        warms up on the first batch, and a later batch may bring more prompts of a bucket."""
+        if self.prefill_batch == 1 or n > 1 or self.num_slots <= self.prefill_batch // 2:
             return []
-        counts = collections.Counter(pick_bucket(self.buckets, max(int(k) - 1, 1)) for k in prompt_lengths)
-        half = self.prefill_batch // 2
-        return sorted(b for b, count in counts.items() if min(count, self.num_slots) > half)
+        return sorted({pick_bucket(self.buckets, max(int(k) - 1, 1)) for k in prompt_lengths})
 
     def _narrows(self, rows: int, caps: int) -> bool:
         """Whether a batch of `rows` rows capped at `caps` new tokens can narrow its tail (`generate`): only while
@@ -610,15 +614,22 @@ class NativeEngine:
                 )
         return caps
 
-    def _prefill_prompts(self, indices, rows, prompts, prefixes, stats, n) -> None:
+    def _prefill_prompts(
+        self,
+        indices: list[int],
+        rows: list[tuple[int, int]],
+        prompts: list[list[int]],
+        prefixes: dict[int, _Prefix],
+        stats: collections.Counter,
+        n: int,
+    ) -> None:
         """Prefills the prompts among `indices` (the prompts of the rows about to be inserted) whose prefix KV is not
-        held yet, into `prefixes` (prompt index -> [prefix KV, its row in it, samples still to insert]).
+        held yet, into `prefixes`.
 
         With one sample per prompt (`n`), prompts of one prefill bucket go `prefill_batch` at a time (padding rows
         of length 0 fill a short batch) while more than half a batch of them is left, the rest one at a time
-        (`_prefill_batches`). A one-token
-        prompt has an empty prefix: prefilling zero tokens writes nothing (segment id 0), and going through the
-        same compiled prefill/insert keeps the number of programs down.
+        (`_prefill_batches`). A one-token prompt has an empty prefix: prefilling zero tokens writes nothing (segment
+        id 0), and going through the same compiled prefill/insert keeps the number of programs down.
         """
         new = list(dict.fromkeys(i for i in indices if i not in prefixes))
         by_bucket: dict[int, list[int]] = {}
@@ -636,7 +647,7 @@ class NativeEngine:
                 stats["prefills"] += len(batch)
                 stats["prefill_calls"] += 1
                 for j, index in enumerate(batch):
-                    prefixes[index] = [prefix, jnp.int32(j), sum(1 for p, _ in rows if p == index)]
+                    prefixes[index] = _Prefix(prefix, jnp.int32(j), sum(1 for p, _ in rows if p == index))
 
     def _prefill_batches(self, group: list, n: int) -> list[list]:
         """`group` (prompts of one bucket, `n` samples each) cut into prefill batches: with one sample per prompt,
@@ -651,16 +662,16 @@ class NativeEngine:
     def _insert_row(self, state, slot, row, rows, prompts, caps, keys, prefixes) -> DecodeState:
         prompt_index, _ = rows[row]
         prompt = prompts[prompt_index]
-        entry = prefixes[prompt_index]
+        held = prefixes[prompt_index]
         slot_index = jnp.int32(slot)
         fields_args = (jnp.int32(prompt[-1]), jnp.int32(len(prompt)), jnp.int32(caps[prompt_index]), keys[row])
         ks, vs = list(state.cache.k), list(state.cache.v)
         for layer, index in enumerate(self._layer_indices):
-            ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], entry[0], index, slot_index, entry[1])
+            ks[layer], vs[layer] = self._insert_prefix(ks[layer], vs[layer], held.kv, index, slot_index, held.row)
         fields = self._insert(_without_cache(state), slot_index, *fields_args)
         state = fields._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
-        entry[2] -= 1
-        if entry[2] == 0:
+        held.left -= 1
+        if held.left == 0:
             del prefixes[prompt_index]  # every sample inserted: free this prompt's hold on the prefix KV
         return state
 
@@ -685,6 +696,16 @@ def _decode_inputs(sampling: SamplingParams) -> tuple[tuple, dict[str, Any]]:
     return args, static
 
 
+@dataclasses.dataclass
+class _Prefix:
+    """A prompt's prefix KV during a `generate` call: `kv` (a prefill's output, shared by the prompts prefilled
+    together), the prompt's `row` in it, and its samples still to insert (`left`)."""
+
+    kv: KVCache
+    row: jax.Array
+    left: int
+
+
 def _without_cache(state: DecodeState) -> DecodeState:
     """The state's per-slot fields: the state without its cache (`cache=None`)."""
     return state._replace(cache=None)
@@ -692,14 +713,18 @@ def _without_cache(state: DecodeState) -> DecodeState:
 
 def _cache_sharding_like(param_shardings: Any) -> jax.sharding.NamedSharding | None:
     """The KV cache's sharding for params placed on a mesh (the trainer's evaluation engine): its heads axis on the
-    mesh axis of the K projection's heads axis, where XLA puts the keys a prefill computes, the rest replicated on
-    that mesh; None where the params carry no mesh shardings.
+    mesh axis of the K projection's heads axis (an NF4 kernel's too), where XLA puts the keys a prefill computes,
+    the rest replicated on that mesh; replicated where one sharding is given for every param; None where the params
+    carry no mesh shardings.
 
     Left unplaced, a fresh decode state lived on one device until its first programs moved it onto the mesh, so each
     of those programs compiled twice: once for each placement (a warmed-up engine compiled again after
     `release_memory`)."""
+    if isinstance(param_shardings, jax.sharding.NamedSharding):  # one sharding for every param: replicated
+        return jax.sharding.NamedSharding(param_shardings.mesh, jax.sharding.PartitionSpec())
     try:
-        kernel = param_shardings["layers"]["k_proj"]["kernel"]  # [L, D, K, Dh]
+        k_proj = param_shardings["layers"]["k_proj"]
+        kernel = k_proj["kernel"] if "kernel" in k_proj else k_proj["kernel_nf4"]  # [L, D, K, Dh] (NF4: Dh / 2)
     except (KeyError, TypeError):
         return None
     if not isinstance(kernel, jax.sharding.NamedSharding):

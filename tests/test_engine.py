@@ -271,6 +271,37 @@ def test_an_engine_on_the_trainers_mesh_keeps_its_state_there_from_the_start(eng
     for rollouts in (got, again):
         np.testing.assert_array_equal(rollouts.completion_ids, want.completion_ids)
         np.testing.assert_allclose(rollouts.behavior_logprobs, want.behavior_logprobs, atol=1e-5)
+    # One sample per prompt: 4 prompts enter the 4 slots together and prefill as one batch, into the sharded cache.
+    once = dataclasses.replace(sampling_params, n=1)
+    assert sharded.warm_up([len(p) for p in PROMPTS], once)["batched_prefill_buckets"] == 1
+    compiled, got = _compiled_during(lambda: sharded.generate(PROMPTS, once))
+    assert compiled == [] and sharded.last_stats["prefill_calls"] == 2, (compiled, sharded.last_stats)
+    want = engine.generate(PROMPTS, once)
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    np.testing.assert_allclose(got.behavior_logprobs, want.behavior_logprobs, atol=1e-5)
+
+
+def test_the_cache_follows_the_k_projections_heads_axis_on_the_params_mesh():
+    """`_cache_sharding_like`: the stacked cache's heads axis (2) on the mesh axis of the K projection kernel's heads
+    axis (a plain or an NF4 kernel), the rest replicated; one sharding for every param gives a replicated cache; no
+    mesh shardings, none."""
+    from feynrl_jax.rollout.native_engine import _cache_sharding_like
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    spec = jax.sharding.PartitionSpec
+
+    def tree(name: str, kernel_spec) -> dict:
+        return {"layers": {"k_proj": {name: jax.sharding.NamedSharding(mesh, kernel_spec)}}}
+
+    for name in ("kernel", "kernel_nf4"):
+        got = _cache_sharding_like(tree(name, spec(None, "fsdp", "tensor", None)))
+        assert got.mesh == mesh and got.spec == spec(None, None, "tensor")
+        assert _cache_sharding_like(tree(name, spec(None, "fsdp"))).spec == spec(None, None, None)
+    assert _cache_sharding_like(jax.sharding.NamedSharding(mesh, spec())).spec == spec()
+    assert _cache_sharding_like(None) is None
+    assert _cache_sharding_like({"layers": {}}) is None
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert _cache_sharding_like({"layers": {"k_proj": {"kernel": single}}}) is None
 
 
 def test_engine_recovers_after_an_error_mid_generation(engine):
