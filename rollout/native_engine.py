@@ -320,7 +320,7 @@ class NativeEngine:
                 free = [s for s in range(len(slot_row)) if slot_row[s] is None]
                 if self.continuous_refill or len(free) == len(slot_row):
                     taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-                    self._prefill_prompts([rows[row][0] for row in taken], rows, prompts, prefixes, stats, n)
+                    self._prefill_prompts([rows[row][0] for row in taken], prompts, prefixes, stats, n)
                     for slot, row in zip(free, taken):
                         state = self._insert_row(state, slot, row, rows, prompts, caps, keys, prefixes)
                         slot_row[slot] = row
@@ -458,10 +458,7 @@ class NativeEngine:
         self.last_stats = kept_stats
         batched = self._batched_prefill_buckets(prompt_lengths, sampling.n)
         for bucket in batched:  # that bucket's batched prefill and its insert (any layer: one program serves all)
-            size = self.prefill_batch
-            # Host arrays as `_prefill_prompts` passes them: staging each shape onto the device compiles a program too.
-            tokens, lengths = jnp.asarray(np.zeros((size, bucket), np.int32)), jnp.asarray(np.zeros(size, np.int32))
-            prefix = self._prefill(self._params, tokens, lengths)
+            prefix = self._prefill_padded([], bucket, self.prefill_batch)
             ks, vs = list(self._state.cache.k), list(self._state.cache.v)
             zero = jnp.int32(0)  # slot 0 is free: its cache is never read
             ks[0], vs[0] = self._insert_prefix(ks[0], vs[0], prefix, self._layer_indices[0], zero, zero)
@@ -617,14 +614,13 @@ class NativeEngine:
     def _prefill_prompts(
         self,
         indices: list[int],
-        rows: list[tuple[int, int]],
         prompts: list[list[int]],
         prefixes: dict[int, _Prefix],
         stats: collections.Counter,
         n: int,
     ) -> None:
         """Prefills the prompts among `indices` (the prompts of the rows about to be inserted) whose prefix KV is not
-        held yet, into `prefixes`.
+        held yet, into `prefixes` (each held until its `n` samples are inserted).
 
         With one sample per prompt (`n`), prompts of one prefill bucket go `prefill_batch` at a time (padding rows
         of length 0 fill a short batch) while more than half a batch of them is left, the rest one at a time
@@ -638,16 +634,22 @@ class NativeEngine:
         for bucket, group in by_bucket.items():
             for batch in self._prefill_batches(group, n):
                 size = self.prefill_batch if len(batch) > 1 else 1
-                padded = np.zeros((size, bucket), np.int32)
-                lengths = np.zeros(size, np.int32)
-                for j, index in enumerate(batch):
-                    lengths[j] = len(prompts[index]) - 1
-                    padded[j, : lengths[j]] = prompts[index][:-1]
-                prefix = self._prefill(self._params, jnp.asarray(padded), jnp.asarray(lengths))
+                prefix = self._prefill_padded([prompts[index][:-1] for index in batch], bucket, size)
                 stats["prefills"] += len(batch)
                 stats["prefill_calls"] += 1
                 for j, index in enumerate(batch):
-                    prefixes[index] = _Prefix(prefix, jnp.int32(j), sum(1 for p, _ in rows if p == index))
+                    prefixes[index] = _Prefix(prefix, jnp.int32(j), n)
+
+    def _prefill_padded(self, prefixes: list[list[int]], bucket: int, size: int) -> KVCache:
+        """The KV of `prefixes` (token ids, each at most `bucket` long) prefilled in one batch of `size` rows, rows
+        of length 0 filling it: the one place host arrays are made for `_prefill` (`generate` and `warm_up`), since
+        staging each shape onto the device compiles a program of its own."""
+        padded = np.zeros((size, bucket), np.int32)
+        lengths = np.zeros(size, np.int32)
+        for j, tokens in enumerate(prefixes):
+            lengths[j] = len(tokens)
+            padded[j, : len(tokens)] = tokens
+        return self._prefill(self._params, jnp.asarray(padded), jnp.asarray(lengths))
 
     def _prefill_batches(self, group: list, n: int) -> list[list]:
         """`group` (prompts of one bucket, `n` samples each) cut into prefill batches: with one sample per prompt,
