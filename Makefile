@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 
 # The oneDNN kernel for bfloat16 and float32 products on CPUs (model.cpu_matmul), rebuilt when its source changes; a machine
 # without a C++ compiler is told so and keeps XLA.
-$(KERNEL): feynrl_jax/kernels/onednn_matmul.cc $(STAMP)
+$(KERNEL): feynrl_jax/kernels/onednn_matmul.cc feynrl_jax/kernels/aten_matmul.cc $(STAMP)
 	$(BIN)/python -m feynrl_jax.kernels.onednn build
 
 setup: $(STAMP) $(KERNEL)

@@ -55,9 +55,18 @@ def main():
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--aten-rows",
+        default="",
+        help="instead: the kernel's bf16 products [rows, hidden] @ [hidden, intermediate] and [rows, hidden] @ "
+        "[hidden, 192] for each of these comma-separated row counts, on PyTorch's oneDNN and on its own oneDNN 3.2, "
+        "each the best of 200 calls (onednn.ATEN_MIN_MACS)",
+    )
     args = parser.parse_args()
     if onednn.problem():
         raise SystemExit(f"the oneDNN kernel cannot run: {onednn.problem()}")
+    if args.aten_rows:
+        return aten_sweep([int(r) for r in args.aten_rows.split(",")], args.hidden, args.intermediate)
     import torch
 
     torch.set_num_threads(usable_cpus())
@@ -71,16 +80,49 @@ def main():
         f"up dx    [{t},{f}]@[{d},{f}]^T": ((t, f), (d, f), True, "bfloat16"),
         f"logits   [{t},{d}]@[{v},{d}]^T": ((t, d), (v, d), True, "float32"),
     }
-    sides = ("XLA f32", "oneDNN f32", "torch f32", "XLA bf16", "oneDNN bf16", "torch bf16")
+    # "oneDNN bf16": the kernel as runs use it, its bf16 products with a bf16 result on PyTorch's oneDNN where built
+    # (`onednn.aten_built`); "3.2 bf16": the same products on the kernel's own oneDNN 3.2 (`use_aten_products`).
+    sides = ("XLA f32", "oneDNN f32", "torch f32", "XLA bf16", "oneDNN bf16", "torch bf16", "3.2 bf16")
+    print(f"the kernel's bf16 products with a bf16 result: {'ATen' if onednn.aten_built() else 'oneDNN 3.2'}")
     header = f"{'product':34s} " + " ".join(f"{side:>11s}" for side in sides)
     print(header + "  oneDNN/XLA f32  oneDNN/XLA bf16  oneDNN/torch bf16")
     for name, (a_shape, b_shape, trans_b, out) in shapes.items():
         measure(name, rng, a_shape, b_shape, trans_b, jnp.dtype(out), args.repeats)
 
 
+def aten_sweep(rows: list[int], hidden: int, intermediate: int) -> None:
+    """The kernel's bf16 products at `rows` rows, forced onto PyTorch's oneDNN and onto its own oneDNN 3.2
+    (`onednn.use_aten_products`; the threshold `ATEN_MIN_MACS` set aside), the two taking turns twice."""
+    if not onednn.aten_built():
+        raise SystemExit("the kernel's ATen library is not built (PyTorch not installed?): make setup")
+    rng = np.random.default_rng(0)
+    print(f"cpu: {cpu_model()}, {usable_cpus()} cpus; best of 200 calls, microseconds (ratio below 1: ATen faster)")
+    threshold = onednn.ATEN_MIN_MACS
+    try:
+        onednn.ATEN_MIN_MACS = 0
+        for n in (intermediate, 192):
+            for m in rows:
+                a = jnp.asarray(rng.normal(size=(m, hidden)), jnp.bfloat16)
+                b = jnp.asarray(rng.normal(size=(hidden, n)), jnp.bfloat16)
+                product = jax.jit(lambda a, b: onednn.dot(a, b))
+                best = {True: float("inf"), False: float("inf")}
+                for aten in (True, False, True, False):
+                    onednn.use_aten_products(aten)
+                    best[aten] = min(
+                        best[aten], best_seconds(lambda f=product, a=a, b=b: f(a, b).block_until_ready(), 200)
+                    )
+                print(
+                    f"[{m},{hidden}]@[{hidden},{n}] ({m * hidden * n:.1e} multiply-adds): ATen {best[True] * 1e6:7.0f}"
+                    f"  oneDNN 3.2 {best[False] * 1e6:7.0f}  ratio {best[True] / best[False]:.2f}"
+                )
+    finally:
+        onednn.ATEN_MIN_MACS = threshold
+        onednn.use_aten_products(True)
+
+
 def measure(name: str, rng, a_shape, b_shape, trans_b: bool, out_dtype, repeats: int) -> None:
     """Times `a @ b` (`a @ b.T` with `trans_b`) on the six sides and prints one row (the bfloat16 products give
-    `out_dtype`, the float32 ones float32)."""
+    `out_dtype`, the float32 ones float32; the bf16 ones once more on the kernel's own oneDNN 3.2)."""
     import torch
 
     a32 = rng.normal(size=a_shape).astype(np.float32)
@@ -106,6 +148,9 @@ def measure(name: str, rng, a_shape, b_shape, trans_b: bool, out_dtype, repeats:
         flops / best_seconds(lambda: ours(ja16, jb16).block_until_ready(), repeats),
         flops / best_seconds(lambda: torch.matmul(ta, tb), repeats),
     ]
+    aten = onednn.use_aten_products(False)  # the same compiled product on the kernel's own oneDNN 3.2
+    rates.append(flops / best_seconds(lambda: ours(ja16, jb16).block_until_ready(), repeats))
+    onednn.use_aten_products(aten)
     b64 = np.asarray(jb16, np.float64)
     reference = np.asarray(ja16, np.float64) @ (b64.T if trans_b else b64)
     error = np.abs(np.asarray(ours(ja16, jb16), np.float64) - reference).max() / np.abs(reference).max()

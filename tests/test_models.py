@@ -198,14 +198,15 @@ def test_dtype_policy_bfloat16_params_float32_logits():
 
 
 def test_float32_cache_of_a_bfloat16_model_holds_bfloat16_values_and_is_as_accurate():
-    """The CPU's float32 cache (`cache_dtype`) holds bfloat16-rounded keys and values, and prefill then decode
-    through it are as close to the same model computed in float32 as through a bfloat16 cache.
+    """The CPU's float32 cache (`cache_dtype`) holds bfloat16-rounded keys and values, after prefill and after a
+    decode step, and prefill then decode through it are at least as close to the same model computed in float32 as
+    through a bfloat16 cache.
 
     Not bit for bit: XLA may keep a float32 intermediate of the bfloat16 model unrounded
-    (`xla_allow_excess_precision`), in other places for the two caches, which moves some bfloat16 results by a few
-    units in the last place (measured: the two caches' errors against float32 agree to 1e-9 of the output scale on
-    4 seeds; each error is 0.35-1.3% of it). Hence the bound: the two errors agree within 1%, which also fails a
-    float32 cache that skipped a rounding and came out closer to the float32 model."""
+    (`xla_allow_excess_precision`), in other places for the two caches. Since RoPE computes in float32 and rounds
+    once (`apply_rope`), the float32 cache's pass keeps more of them (here its error is 15% smaller; with
+    `--xla_allow_excess_precision=false` the two errors agree within 1%, as they did before). Hence the bound: no
+    more than 1% above the bfloat16 cache's error; the held values are checked for bfloat16 rounding directly."""
     config = dataclasses.replace(TINY, param_dtype="bfloat16", compute_dtype="bfloat16")
     params = init_params(config, jax.random.key(0))
     wide_params = jax.tree.map(lambda a: a.astype(jnp.float32), params)  # the same bfloat16 values
@@ -223,11 +224,15 @@ def test_float32_cache_of_a_bfloat16_model_holds_bfloat16_values_and_is_as_accur
             for held in (cache.k, cache.v):
                 held = np.asarray(held)
                 np.testing.assert_array_equal(held, held.astype(jnp.bfloat16).astype(np.float32))
-        last, _ = _forward(p, step, jnp.full((2, 1), 6, jnp.int32), config=cfg, cache=cache)
+        last, cache = _forward(p, step, jnp.full((2, 1), 6, jnp.int32), config=cfg, cache=cache)
+        if name == "float32 cache":
+            for held in (cache.k, cache.v):
+                held = np.asarray(held)
+                np.testing.assert_array_equal(held, held.astype(jnp.bfloat16).astype(np.float32))
         outputs[name] = [np.asarray(x, np.float64) for x in (hidden, last)]
     for wide, narrow, reference in zip(*outputs.values()):
         wide_error, narrow_error = np.abs(wide - reference).max(), np.abs(narrow - reference).max()
-        assert narrow_error > 0 and abs(wide_error - narrow_error) <= 0.01 * narrow_error, (wide_error, narrow_error)
+        assert narrow_error > 0 and wide_error <= 1.01 * narrow_error, (wide_error, narrow_error)
 
 
 # ---------------------------------------------------------------- log-probabilities

@@ -89,6 +89,82 @@ def test_build_writes_a_library_that_loads(tmp_path, kernel):
     assert not list(tmp_path.glob("other*"))  # nothing half-written
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed: no ATen library")
+def test_build_writes_the_aten_library_where_pytorch_is_installed_and_removes_it_when_told_not_to(tmp_path, kernel):
+    path = onednn.build(tmp_path / "kernel.so")
+    aten = onednn.aten_library(path)
+    assert aten == tmp_path / "kernel_aten.so" and aten.is_file()
+    library = ctypes.CDLL(str(aten))
+    library.feynrl_aten_source_hash.restype = ctypes.c_char_p
+    assert library.feynrl_aten_source_hash().decode() == onednn.source_hash()
+    assert library.feynrl_aten_matmul
+    onednn.build(path, aten=False)  # a kernel without it leaves no stale one beside it
+    assert path.is_file() and not aten.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+_ATEN_ROUTING = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from feynrl_jax.kernels import onednn
+
+    def torch_loaded():
+        with open("/proc/self/maps") as maps:
+            return "libtorch_cpu" in maps.read()
+
+    def within(out, a, b):  # the float64 bound of a bf16 result
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        ref = a64 @ b64
+        bound = 2.0**-8 * np.abs(ref) + a64.shape[1] * 2.0**-24 * (np.abs(a64) @ np.abs(b64))
+        return bool((np.abs(np.asarray(out, np.float64) - ref) <= bound).all())
+
+    rng = np.random.default_rng(0)
+    # [1024, 512] @ [512, 1024]: ATEN_MIN_MACS multiply-adds exactly; [64, 96] @ [96, 80]: far fewer
+    a32, b32 = rng.normal(size=(1024, 512)).astype(np.float32), rng.normal(size=(512, 1024)).astype(np.float32)
+    a, b = jnp.asarray(a32, jnp.bfloat16), jnp.asarray(b32, jnp.bfloat16)
+    out = {"built": onednn.aten_built(), "threshold": 1024 * 512 * 1024 == onednn.ATEN_MIN_MACS}
+    jax.block_until_ready(jax.jit(lambda a, b: onednn.dot(a, b))(a32, b32))
+    jax.block_until_ready(jax.jit(lambda a, b: onednn.dot(a, b, out_dtype=jnp.float32))(a, b))
+    out["after_float32_results"] = torch_loaded()
+    small = jax.jit(lambda a, b: onednn.dot(a, b))(a[:64, :96], b[:96, :80])
+    out["after_small_bf16"] = torch_loaded()
+    out["small_within"] = within(small, a[:64, :96], b[:96, :80])
+    f = jax.jit(lambda a, b: onednn.dot(a, b))
+    on_aten = f(a, b)
+    out["after_large_bf16"] = torch_loaded()
+    out["handed_back"] = onednn.use_aten_products(False)  # the same program, the kernel's own oneDNN
+    on_own = f(a, b)
+    out["handed_again"] = onednn.use_aten_products(True)
+    out["aten_within"], out["own_within"] = within(on_aten, a, b), within(on_own, a, b)
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed: no ATen library")
+def test_only_bf16_products_load_pytorch_and_both_backends_are_within_the_bound(kernel):
+    # A fresh process (this one may have imported torch): float32 products, bf16 ones with a float32 result and small
+    # bf16 ones never load libtorch_cpu; the first bf16 product of ATEN_MIN_MACS with a bf16 result does, and runs
+    # there. The same compiled program, handed back to the kernel's own oneDNN 3.2, gives a result within the same
+    # float64 bound.
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _ATEN_ROUTING], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result == {
+        "built": True,
+        "threshold": True,
+        "after_float32_results": False,
+        "after_small_bf16": False,
+        "small_within": True,
+        "after_large_bf16": True,
+        "handed_back": False,
+        "handed_again": True,
+        "aten_within": True,
+        "own_within": True,
+    }
+
+
 # A 2-D product, and batched ones (attention's per-head products) with one and two batch axes.
 BATCHES = [(), (3,), (2, 3)]
 

@@ -42,6 +42,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -64,6 +65,8 @@ from feynrl_jax.kernels import CPU_MATMUL_BACKENDS, ONEDNN_LIBRARY
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("onednn_matmul.cc")
+ATEN_SOURCE = Path(__file__).with_name("aten_matmul.cc")
+"""The kernel's bf16 products on PyTorch's oneDNN, a library of its own (`aten_library`)."""
 LIBRARY = ONEDNN_LIBRARY
 TARGET = "feynrl_onednn_matmul"
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -80,11 +83,40 @@ AUTO_FILE = "onednn_auto.json"
 """The file under the cache root (`cache_dirs.default_cache_root`) that keeps each machine's measurement per dtype."""
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 """The operand dtypes the kernel multiplies."""
+ATEN_MIN_MACS = 2**29
+"""The fewest multiply-adds (batch x M x K x N) of a bf16 product with a bf16 result that the kernel hands to PyTorch's
+oneDNN (`aten_matmul.cc`): ATen adds some 10-35 us to every call, which only large products repay. On a 2-core AMX
+Xeon, `[M,576] @ [576,1536]` took 128 us on ATen against 93 on the kernel's oneDNN 3.2 at 64 rows, 233 against 211 at
+256, 374 against 401 at 512 (4.5e8 multiply-adds), 1,165 against 1,681 at 2,048; `[M,576] @ [576,192]` was slower on
+ATen up to 1,024 rows and even at 2,048 (`python benchmarks/bench_cpu_matmul.py --aten-rows 32,64,256,512,1024,2048`,
+best of 200 calls each). Decode steps (as many rows as sequences) stay on oneDNN 3.2, and a process whose products
+are all smaller never loads PyTorch."""
 
 
 def source_hash() -> str:
-    """The first 16 hex digits of the SHA-256 of `onednn_matmul.cc`, compiled into the library by `build`."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    """The first 16 hex digits of the SHA-256 of `onednn_matmul.cc` and `aten_matmul.cc`, compiled into both
+    libraries by `build`."""
+    return hashlib.sha256(SOURCE.read_bytes() + ATEN_SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def aten_library(library: Path | None = None) -> Path:
+    """Where `build` writes the bf16 products on PyTorch's oneDNN for the kernel at `library` (default `LIBRARY`):
+    beside it, `<name>_aten.so`."""
+    library = Path(LIBRARY if library is None else library)
+    return library.with_name(f"{library.stem}_aten{library.suffix}")
+
+
+def _torch_dirs() -> tuple[Path, Path] | None:
+    """(include, lib) of the installed PyTorch's C++ headers and libraries (found without importing torch), or None
+    where torch or its headers are not installed."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    include, lib = root / "include", root / "lib"
+    if (include / "ATen" / "ATen.h").is_file() and (lib / "libtorch_cpu.so").exists():
+        return include, lib
+    return None
 
 
 def _prefix_dirs() -> tuple[Path, Path]:
@@ -92,8 +124,12 @@ def _prefix_dirs() -> tuple[Path, Path]:
     return Path(sys.prefix) / "include", Path(sys.prefix) / "lib"
 
 
-def build(output: Path = LIBRARY, compiler: str | None = None) -> Path:
-    """Compiles `onednn_matmul.cc` into `output` (written to a temporary file, then renamed: never half-written).
+def build(output: Path = LIBRARY, compiler: str | None = None, aten: bool | None = None) -> Path:
+    """Compiles `onednn_matmul.cc` into `output` and, where PyTorch is installed, `aten_matmul.cc` into
+    `aten_library(output)` (each written to a temporary file, then renamed: never half-written).
+
+    `aten`: build the second library (None: where PyTorch's headers and libtorch_cpu are installed, as `make setup`
+    installs them; False: not, and a stale one at that path is removed).
 
     Raises:
         RuntimeError: no C++ compiler, no oneDNN headers or library in this environment (naming what is missing
@@ -107,41 +143,59 @@ def build(output: Path = LIBRARY, compiler: str | None = None) -> Path:
         raise RuntimeError(f"no oneDNN headers in {include}: pip install onednn-devel-cpu-gomp==2023.2.0")
     if not (lib / "libdnnl.so").exists():
         raise RuntimeError(f"no libdnnl.so in {lib}: pip install onednn-cpu-gomp==2023.2.0")
+    torch_dirs = _torch_dirs()
+    if aten and torch_dirs is None:
+        raise RuntimeError("aten=True: PyTorch's C++ headers and libtorch_cpu.so are not installed (pip install torch)")
     output = Path(output)
+    common = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f'-DFEYNRL_ONEDNN_SOURCE_HASH="{source_hash()}"']
+    _compile(
+        SOURCE,
+        output,
+        [
+            *common,
+            "-Wno-return-type",  # XLA's FFI headers end switch-covered functions without a return
+            str(SOURCE),
+            f"-I{jax.ffi.include_dir()}",
+            f"-I{include}",
+            f"-L{lib}",
+            "-ldnnl",
+            f"-Wl,-rpath,{lib}",
+        ],
+    )
+    if torch_dirs is not None and aten is not False:
+        torch_include, torch_lib = torch_dirs
+        flags = ["-Wno-c++20-extensions", f"-I{torch_include}", f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
+        _compile(ATEN_SOURCE, aten_library(output), [*common, str(ATEN_SOURCE), *flags, f"-Wl,-rpath,{torch_lib}"])
+    else:
+        aten_library(output).unlink(missing_ok=True)
+    _load.cache_clear()
+    _load_aten.cache_clear()
+    return output
+
+
+def _compile(source: Path, output: Path, command: list[str]) -> None:
+    """Runs `command` + `-o <temporary file>`, then renames that file to `output`.
+
+    Raises:
+        RuntimeError: the compiler cannot run or fails (its error)."""
     with tempfile.NamedTemporaryFile(dir=output.parent, prefix=output.name, suffix=".tmp", delete=False) as tmp:
         partial = Path(tmp.name)
-    command = [
-        compiler,
-        "-O2",
-        "-std=c++17",
-        "-shared",
-        "-fPIC",
-        "-Wno-return-type",  # XLA's FFI headers end switch-covered functions without a return
-        f'-DFEYNRL_ONEDNN_SOURCE_HASH="{source_hash()}"',
-        str(SOURCE),
-        f"-I{jax.ffi.include_dir()}",
-        f"-I{include}",
-        f"-L{lib}",
-        "-ldnnl",
-        f"-Wl,-rpath,{lib}",
-        "-o",
-        str(partial),
-    ]
+    command = [*command, "-o", str(partial)]
     try:
         try:
             result = subprocess.run(command, capture_output=True, text=True)
         except OSError as error:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: cannot run {compiler}: {error}") from error
+            raise RuntimeError(f"compiling {source.name} failed: cannot run {command[0]}: {error}") from error
         if result.returncode:
-            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
+            raise RuntimeError(f"compiling {source.name} failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
         partial.replace(output)
     finally:
         partial.unlink(missing_ok=True)
-    _load.cache_clear()
-    return output
 
 
 _REGISTERED: set[str] = set()
+_KERNEL: list = []
+"""The loaded kernel library (`_load`), which `_load_aten` hands the ATen products."""
 
 
 @functools.cache
@@ -162,6 +216,8 @@ def _load() -> tuple[bool, str]:
             f"{LIBRARY} was built from another version of {SOURCE.name}: rebuild it "
             "(python -m feynrl_jax.kernels.onednn build; `make setup` does)"
         )
+    _KERNEL[:] = [library]
+    _load_aten.cache_clear()  # a new kernel library has not been handed the ATen products yet
     if TARGET not in _REGISTERED:  # once per process, also when a rebuilt library is loaded again
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.FeynrlOnednnMatmul), platform="cpu")
         _REGISTERED.add(TARGET)
@@ -171,6 +227,50 @@ def _load() -> tuple[bool, str]:
 def problem() -> str:
     """Why the kernel cannot run in this process, or "" when it can (loads the library)."""
     return _load()[1]
+
+
+@functools.cache
+def _load_aten() -> bool:
+    """Loads `aten_library()` and hands its products to the kernel, once per process: whether bf16 products with a
+    bf16 result now run on PyTorch's oneDNN. False where the kernel does not load, or the library is not built (no
+    PyTorch) or was built from other sources (said once in the log; the kernel's own oneDNN runs them)."""
+    path = aten_library()
+    if not _load()[0] or not path.is_file():
+        return False
+    try:
+        library = ctypes.CDLL(str(path))
+        library.feynrl_aten_source_hash.restype = ctypes.c_char_p
+        built_from = library.feynrl_aten_source_hash().decode()
+    except (OSError, AttributeError) as error:
+        log.warning("%s does not load (%s): bf16 products stay with the kernel's oneDNN 3.2", path, error)
+        return False
+    if built_from != source_hash():
+        log.warning("%s was built from other sources: bf16 products stay with oneDNN 3.2 (rebuild: make setup)", path)
+        return False
+    _KERNEL[0].feynrl_onednn_set_aten(
+        ctypes.cast(library.feynrl_aten_matmul, ctypes.c_void_p), ctypes.c_int64(ATEN_MIN_MACS)
+    )
+    return True
+
+
+def use_aten_products(enabled: bool) -> bool:
+    """Hands the kernel's bf16 products with a bf16 result to PyTorch's oneDNN (`enabled`, where built; the default
+    once one is staged) or back to the kernel's own oneDNN 3.2, for programs compiled before as well: the kernel
+    reads the choice at every product. For benchmarks and tests that compare the two. Returns whether they now run
+    on PyTorch's oneDNN."""
+    if not enabled:
+        if _load()[0]:
+            _KERNEL[0].feynrl_onednn_set_aten(None, ctypes.c_int64(0))
+        _load_aten.cache_clear()  # the next staged bf16 product hands them over again
+        return False
+    _load_aten.cache_clear()
+    return _load_aten()
+
+
+def aten_built() -> bool:
+    """Whether the kernel's bf16 products with a bf16 result can run on PyTorch's oneDNN here (`aten_library()` is
+    built beside a kernel that loads); it is loaded when the first such product is staged."""
+    return _load()[0] and aten_library().is_file()
 
 
 @functools.cache
@@ -199,9 +299,10 @@ def _machine_key() -> str:
     model = _cpuinfo("model name") or "unknown"
     units = "+".join(cpu_bf16_units()) or "none"
     threads = os.environ.get("OMP_NUM_THREADS") or "unset"
+    bf16_library = "aten" if aten_built() else "onednn 3.2"
     return (
         f"{model} | {usable_cpus()} cpus | OMP_NUM_THREADS {threads} | {units} | kernel {source_hash()} "
-        f"| jax {jax.__version__}"
+        f"({bf16_library}) | jax {jax.__version__}"
     )
 
 
@@ -376,6 +477,8 @@ def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -
     batch = a.shape[:-2]
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
+    if a.dtype == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16 and math.prod((*a.shape, n)) >= ATEN_MIN_MACS:
+        _load_aten()  # before the product runs: the kernel hands it to PyTorch's oneDNN where built
     if len(batch) > 1:
         a, b = a.reshape(math.prod(batch), *a.shape[-2:]), b.reshape(math.prod(batch), *b.shape[-2:])
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*a.shape[:-2], m, n), out_dtype), vmap_method="sequential")
@@ -426,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oneDNN kernel built at {path} but {why}", file=sys.stderr)
         return 1
     units = ", ".join(cpu_bf16_units()) or "none (model.cpu_matmul='auto' keeps XLA for bfloat16)"
-    print(f"oneDNN kernel built: {path}; this CPU's bf16 matrix instructions: {units}")
+    bf16 = "PyTorch's oneDNN (ATen)" if aten_built() else "the onednn-cpu-gomp wheel's oneDNN 3.2 (no PyTorch)"
+    print(f"oneDNN kernel built: {path}; bf16 products in {bf16}; this CPU's bf16 matrix instructions: {units}")
     return 0
 
 

@@ -10,6 +10,11 @@
 //
 // a and b share one element type (bf16 or f32); out is bf16 or f32. Transposes are read through strides, so the
 // backward pass (dx = dy @ w^T, dw = x^T @ dy) needs no copies.
+//
+// Large bf16 products with a bf16 result go to PyTorch's oneDNN (aten_matmul.cc) once onednn.py has handed this
+// library that function and the size from which it takes them (`feynrl_onednn_set_aten`); the rest, and all of them
+// where PyTorch is not installed, run here.
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -41,6 +46,12 @@ bool dnnl_type(ffi::DataType type, dnnl::memory::data_type* out) {
       return false;
   }
 }
+
+// aten_matmul.cc's `feynrl_aten_matmul`, or null: bf16 products with a bf16 result run there when set.
+using AtenMatmul = int (*)(void*, void*, void*, int64_t, int64_t, int64_t, int64_t, int, int, char*, int64_t);
+std::atomic<AtenMatmul> aten_matmul{nullptr};
+// The fewest multiply-adds (batch x m x k x n) of a product that goes to `aten_matmul`.
+std::atomic<int64_t> aten_min_macs{0};
 
 // One matmul primitive per shape, transpose and dtypes, created once per calling thread: creating a primitive
 // descriptor costs tens of microseconds, as much as a decode step's small products themselves. Per thread, because
@@ -103,6 +114,17 @@ ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
     std::memset(out->untyped_data(), 0, out->size_bytes());
     return ffi::Error::Success();
   }
+  AtenMatmul aten = aten_matmul.load(std::memory_order_acquire);
+  const int64_t macs = (batch > 0 ? batch : 1) * m * k * n;
+  if (aten != nullptr && in_type == dnnl::memory::data_type::bf16 && out_type == dnnl::memory::data_type::bf16 &&
+      macs >= aten_min_macs.load(std::memory_order_acquire)) {
+    char error[512] = "";
+    if (aten(a.untyped_data(), b.untyped_data(), out->untyped_data(), batch, m, k, n, trans_a != 0, trans_b != 0,
+             error, sizeof(error))) {
+      return ffi::Error::Internal(std::string("onednn_matmul (ATen): ") + error);
+    }
+    return ffi::Error::Success();
+  }
   try {
     dnnl::engine& engine = cpu_engine();
     auto a_md = view(batch, m, k, in_type, trans_a);
@@ -139,3 +161,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlOnednnMatmul, Matmul,
 #define FEYNRL_ONEDNN_SOURCE_HASH "unknown"
 #endif
 extern "C" const char* feynrl_onednn_source_hash() { return FEYNRL_ONEDNN_SOURCE_HASH; }
+
+// Hands this library aten_matmul.cc's `feynrl_aten_matmul` for bf16 products of at least `min_macs` multiply-adds
+// (null: every product runs here again).
+extern "C" void feynrl_onednn_set_aten(void* fn, int64_t min_macs) {
+  aten_min_macs.store(min_macs, std::memory_order_release);
+  aten_matmul.store(reinterpret_cast<AtenMatmul>(fn), std::memory_order_release);
+}

@@ -122,9 +122,11 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
         cos, sin: `[B, T, Dh]` float32 from `rope_cos_sin`.
 
     Returns:
-        `[B, T, N, Dh]` in the dtype of `x`.
+        `[B, T, N, Dh]` in the dtype of `x`, computed in float32 (or wider) and rounded once: in bfloat16 each of the
+        rotation's operations had rounded to bfloat16, and XLA:CPU widened and narrowed around every one of them
+        (`decoder.rms_norm` has the figures).
     """
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    rotated = jnp.concatenate([-wide[..., half:], wide[..., :half]], axis=-1)
+    return (wide * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
