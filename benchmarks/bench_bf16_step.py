@@ -15,13 +15,14 @@ step, in turns, so a change of the machine's speed weighs on all. Prints and wri
 step of each, and PyTorch's time over each of ours (above 1: ours is faster).
 
 Run:
-    python benchmarks/bench_bf16_step.py --rounds 5 --json docs/bench_bf16_step.json
+    python benchmarks/bench_bf16_step.py --rounds 7 --json docs/bench_bf16_step.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import statistics
@@ -167,11 +168,14 @@ def main():
             "rounds": args.rounds,
             "jax": jax.__version__,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
+            "torch": importlib.metadata.version("torch"),
+            "kernel_onednn": "onednn-cpu-gomp " + importlib.metadata.version("onednn-cpu-gomp"),
         }
         ratios = {name: torch_s / seconds for name, seconds in medians.items()}
         with open(args.json, "w") as f:
             summary = {"settings": settings, "medians_s": medians, "torch_over_ours": ratios, "runs": times}
             json.dump(summary, f, indent=1)
+            f.write("\n")
 
 
 if __name__ == "__main__":

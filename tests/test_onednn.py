@@ -16,6 +16,7 @@ devices).
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -56,6 +57,27 @@ def kernel():
     return onednn
 
 
+@pytest.fixture(params=["oneDNN 3.2", "ATen"])
+def bf16_library(request, kernel, monkeypatch):
+    """Where the kernel's bf16 products with a bf16 result run: its own oneDNN 3.2, or PyTorch's through ATen for every
+    size (`ATEN_MIN_MACS` 0, so these small products reach it; checked by its call count)."""
+    aten = request.param == "ATen"
+    if aten:
+        if importlib.util.find_spec("torch") is None or not onednn.aten_built():
+            pytest.skip("PyTorch is not installed: no ATen library")
+        monkeypatch.setattr(onednn, "ATEN_MIN_MACS", 0)
+    assert onednn.use_aten_products(aten) == aten
+    calls = onednn.aten_calls()
+
+    def check(bf16_results: bool) -> None:
+        """The test's products ran on ATen exactly where they should: bf16 products with a bf16 result, on "ATen"."""
+        assert (onednn.aten_calls() > calls) == (aten and bf16_results), (request.param, bf16_results)
+
+    yield check
+    monkeypatch.undo()
+    onednn.use_aten_products(True)  # as every other test finds it
+
+
 def _normal(rng, shape, dtype=jnp.bfloat16):
     """Standard normal samples rounded to `dtype` (bfloat16 unless given)."""
     return jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
@@ -78,7 +100,8 @@ def _bound(a, b, out_dtype):
 
 
 def test_build_writes_a_library_that_loads(tmp_path, kernel):
-    path = onednn.build(tmp_path / "kernel.so")
+    path = onednn.build(tmp_path / "kernel.so", aten=False)
+    assert not onednn.aten_library(path).exists()
     assert path.is_file() and not list(tmp_path.glob("*.tmp"))
     library = ctypes.CDLL(str(path))
     library.feynrl_onednn_source_hash.restype = ctypes.c_char_p
@@ -96,7 +119,9 @@ def test_build_writes_the_aten_library_where_pytorch_is_installed_and_removes_it
     assert aten == tmp_path / "kernel_aten.so" and aten.is_file()
     library = ctypes.CDLL(str(aten))
     library.feynrl_aten_source_hash.restype = ctypes.c_char_p
+    library.feynrl_aten_torch_version.restype = ctypes.c_char_p
     assert library.feynrl_aten_source_hash().decode() == onednn.source_hash()
+    assert library.feynrl_aten_torch_version().decode() == importlib.metadata.version("torch")
     assert library.feynrl_aten_matmul
     onednn.build(path, aten=False)  # a kernel without it leaves no stale one beside it
     assert path.is_file() and not aten.exists() and not list(tmp_path.glob("*.tmp"))
@@ -130,10 +155,14 @@ _ATEN_ROUTING = textwrap.dedent(
     out["after_small_bf16"] = torch_loaded()
     out["small_within"] = within(small, a[:64, :96], b[:96, :80])
     f = jax.jit(lambda a, b: onednn.dot(a, b))
+    calls = onednn.aten_calls()
     on_aten = f(a, b)
     out["after_large_bf16"] = torch_loaded()
+    out["ran_on_aten"] = onednn.aten_calls() == calls + 1
     out["handed_back"] = onednn.use_aten_products(False)  # the same program, the kernel's own oneDNN
     on_own = f(a, b)
+    retraced = jax.jit(lambda a, b: onednn.dot(a, b) + 0)(a, b)  # staging a new large product keeps it there
+    out["stayed_off"] = onednn.aten_calls() == calls + 1
     out["handed_again"] = onednn.use_aten_products(True)
     out["aten_within"], out["own_within"] = within(on_aten, a, b), within(on_own, a, b)
     print("RESULT " + json.dumps(out))
@@ -158,7 +187,9 @@ def test_only_bf16_products_load_pytorch_and_both_backends_are_within_the_bound(
         "after_small_bf16": False,
         "small_within": True,
         "after_large_bf16": True,
+        "ran_on_aten": True,
         "handed_back": False,
+        "stayed_off": True,
         "handed_again": True,
         "aten_within": True,
         "own_within": True,
@@ -175,7 +206,7 @@ BATCHES = [(), (3,), (2, 3)]
 @pytest.mark.parametrize(
     ("in_dtype", "out_dtype"), [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32)]
 )
-def test_dot_against_float64(kernel, in_dtype, out_dtype, trans_b, batch):
+def test_dot_against_float64(bf16_library, in_dtype, out_dtype, trans_b, batch):
     rng = np.random.default_rng(0)
     a = _normal(rng, (*batch, 37, 96), in_dtype)
     b = _normal(rng, (*batch, 53, 96) if trans_b else (*batch, 96, 53), in_dtype)
@@ -184,12 +215,13 @@ def test_dot_against_float64(kernel, in_dtype, out_dtype, trans_b, batch):
     bm = _t(b) if trans_b else b
     error = np.abs(_f64(out) - _f64(a) @ _f64(bm))
     assert (error <= _bound(a, bm, out_dtype)).all(), error.max()
+    bf16_library(in_dtype == out_dtype == jnp.bfloat16)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_dot_gradients_against_float64(kernel, dtype, trans_b, batch):
+def test_dot_gradients_against_float64(bf16_library, dtype, trans_b, batch):
     rng = np.random.default_rng(1)
     a, w = _normal(rng, (*batch, 24, 40), dtype), rng.normal(size=(*batch, 24, 32))
     b = _normal(rng, (*batch, 32, 40) if trans_b else (*batch, 40, 32), dtype)
@@ -211,10 +243,11 @@ def test_dot_gradients_against_float64(kernel, dtype, trans_b, batch):
     ref_db, bound_db = left @ right, u * (aw_left @ aw_right) + _bound(left, right, dtype)
     assert (np.abs(_f64(da) - ref_da) <= bound_da).all()
     assert (np.abs(_f64(db) - ref_db) <= bound_db).all()
+    bf16_library(dtype == jnp.bfloat16)  # the gradient products give bf16 results
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_attention_products_in_onednn_against_float64(kernel, dtype):
+def test_attention_products_in_onednn_against_float64(bf16_library, dtype):
     """`attention.attend` with its two products in oneDNN, against float64 attention of the same inputs.
 
     bfloat16: the pass rounds the scaled queries to bfloat16 (as XLA's bfloat16 pass does; the reference starts from
@@ -261,6 +294,7 @@ def test_attention_products_in_onednn_against_float64(kernel, dtype):
         assert worst.max() < 0.1  # where exp(2 e) - 1 <= 4 e holds with room to spare
         bound = (4 * worst + (2 * t + 3) * U_F32) * spread + U_F32 * np.abs(ref)
     assert (np.abs(out - ref) <= bound).all(), np.abs(out - ref).max()
+    bf16_library(dtype == jnp.bfloat16)  # probabilities times values: a bf16 result
 
 
 def test_kernel_refuses_mismatched_operands(kernel):

@@ -12,18 +12,36 @@
 //
 //   out[batch?][m, n] = op(a) @ op(b), all bf16, row-major, op(x) a transpose read through strides.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <vector>
 
+namespace {
+std::atomic<int64_t> calls{0};
+}  // namespace
+
 #ifndef FEYNRL_ONEDNN_SOURCE_HASH
 #define FEYNRL_ONEDNN_SOURCE_HASH "unknown"
 #endif
-// The sources this library was compiled from (onednn.py's `source_hash`, the same as the kernel's).
+#ifndef FEYNRL_TORCH_VERSION
+#define FEYNRL_TORCH_VERSION "unknown"
+#endif
+// The sources this library was compiled from (onednn.py's `source_hash`, the same as the kernel's) and the PyTorch
+// version whose headers it was compiled against: a library built for another libtorch is not loaded.
 extern "C" const char* feynrl_aten_source_hash() { return FEYNRL_ONEDNN_SOURCE_HASH; }
+extern "C" const char* feynrl_aten_torch_version() { return FEYNRL_TORCH_VERSION; }
+
+// How many products ran here (tests check the kernel hands them over).
+extern "C" int64_t feynrl_aten_calls() { return calls.load(std::memory_order_relaxed); }
+
+// ATen's intra-op threads: every thread that runs a product here sets its OpenMP team to `threads` (ATen otherwise
+// sizes it from MKL's default, which need not be the cores this process may use). onednn.py passes its own count.
+extern "C" void feynrl_aten_set_threads(int threads) { at::set_num_threads(threads); }
 
 extern "C" int feynrl_aten_matmul(void* a, void* b, void* out, int64_t batch, int64_t m, int64_t k, int64_t n,
                                   int trans_a, int trans_b, char* error, int64_t error_size) {
@@ -57,6 +75,10 @@ extern "C" int feynrl_aten_matmul(void* a, void* b, void* out, int64_t batch, in
   } catch (const std::exception& e) {  // nothing may cross into XLA
     std::snprintf(error, error_size, "%s", e.what());
     return 1;
+  } catch (...) {
+    std::snprintf(error, error_size, "an exception that is not a std::exception");
+    return 1;
   }
+  calls.fetch_add(1, std::memory_order_relaxed);
   return 0;
 }

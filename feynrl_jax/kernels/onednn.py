@@ -12,8 +12,14 @@ against 242), and a float32 forward and backward pass of SmolLM2-135M ran 1.11x 
 
 The kernel (`onednn_matmul.cc`) is compiled against the `onednn-cpu-gomp` wheel's library and headers and XLA's
 FFI headers (`jax.ffi.include_dir()`) by `build`, which `make setup` runs; the library lands beside this file.
-Without it (no compiler, no oneDNN) every product stays with XLA. The library records a hash of the source it was
-compiled from; one built from another version of `onednn_matmul.cc` is not loaded (`make setup` rebuilds it).
+Without it (no compiler, no oneDNN) every product stays with XLA. The library records a hash of its sources
+(`onednn_matmul.cc` and `aten_matmul.cc`); one built from other versions is not loaded (`make setup` rebuilds it).
+
+Where PyTorch is installed, `build` also compiles `aten_matmul.cc` into a second library (`aten_library`), which runs
+large bf16 products with a bf16 result (`ATEN_MIN_MACS`: a training step's, not a decode step's) on the newer oneDNN
+PyTorch is built with, through ATen: on a 2-core AMX Xeon 1.17 against 1.68 ms for `[2048,576] @ [576,1536]`. A
+process loads it (and libtorch_cpu) only when it first stages such a product (`_load_aten`); products with a float32
+operand or result stay here, as do all products where it is not built or was built for another PyTorch.
 
 `model.cpu_matmul` picks the backend of the decoder's projections, attention's two batched products and the output
 projection (`decoder.forward`, `attention.attend`, `decoder.logits`), for a bfloat16 or float32 compute dtype:
@@ -42,6 +48,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -89,8 +96,8 @@ oneDNN (`aten_matmul.cc`): ATen adds some 10-35 us to every call, which only lar
 Xeon, `[M,576] @ [576,1536]` took 128 us on ATen against 93 on the kernel's oneDNN 3.2 at 64 rows, 233 against 211 at
 256, 374 against 401 at 512 (4.5e8 multiply-adds), 1,165 against 1,681 at 2,048; `[M,576] @ [576,192]` was slower on
 ATen up to 1,024 rows and even at 2,048 (`python benchmarks/bench_cpu_matmul.py --aten-rows 32,64,256,512,1024,2048`,
-best of 200 calls each). Decode steps (as many rows as sequences) stay on oneDNN 3.2, and a process whose products
-are all smaller never loads PyTorch."""
+best of 200 calls each). Decode steps (as many rows as sequences) stay on oneDNN 3.2, and a process that stages no
+larger bf16 product never loads PyTorch (the bf16 "auto" measurement, `auto_choice`, stages one)."""
 
 
 def source_hash() -> str:
@@ -104,6 +111,14 @@ def aten_library(library: Path | None = None) -> Path:
     beside it, `<name>_aten.so`."""
     library = Path(LIBRARY if library is None else library)
     return library.with_name(f"{library.stem}_aten{library.suffix}")
+
+
+def _torch_version() -> str:
+    """The installed PyTorch's version ("" where it is not installed), read without importing torch."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def _torch_dirs() -> tuple[Path, Path] | None:
@@ -133,7 +148,8 @@ def build(output: Path = LIBRARY, compiler: str | None = None, aten: bool | None
 
     Raises:
         RuntimeError: no C++ compiler, no oneDNN headers or library in this environment (naming what is missing
-            and the package that provides it), or the compiler's error.
+            and the package that provides it), `aten=True` without PyTorch, or the compiler's error (for
+            `aten_matmul.cc` only with `aten=True`: otherwise a warning, and the kernel alone is built).
     """
     compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
@@ -162,12 +178,25 @@ def build(output: Path = LIBRARY, compiler: str | None = None, aten: bool | None
             f"-Wl,-rpath,{lib}",
         ],
     )
+    aten_library(output).unlink(missing_ok=True)  # no library for another kernel or another PyTorch stays beside it
     if torch_dirs is not None and aten is not False:
         torch_include, torch_lib = torch_dirs
-        flags = ["-Wno-c++20-extensions", f"-I{torch_include}", f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
-        _compile(ATEN_SOURCE, aten_library(output), [*common, str(ATEN_SOURCE), *flags, f"-Wl,-rpath,{torch_lib}"])
-    else:
-        aten_library(output).unlink(missing_ok=True)
+        flags = [
+            f'-DFEYNRL_TORCH_VERSION="{_torch_version()}"',
+            "-Wno-c++20-extensions",
+            f"-I{torch_include}",
+            f"-L{torch_lib}",
+            "-ltorch_cpu",
+            "-lc10",
+            f"-Wl,-rpath,{torch_lib}",
+        ]
+        try:
+            _compile(ATEN_SOURCE, aten_library(output), [*common, str(ATEN_SOURCE), *flags])
+        except RuntimeError as error:
+            if aten:
+                raise
+            # The kernel is built and runs every product itself; only the faster bf16 path is missing.
+            log.warning("%s; the kernel runs its bf16 products on its own oneDNN 3.2", error)
     _load.cache_clear()
     _load_aten.cache_clear()
     return output
@@ -195,7 +224,9 @@ def _compile(source: Path, output: Path, command: list[str]) -> None:
 
 _REGISTERED: set[str] = set()
 _KERNEL: list = []
-"""The loaded kernel library (`_load`), which `_load_aten` hands the ATen products."""
+"""The kernel library XLA calls (the one `_load` registered first), which `_load_aten` hands the ATen products."""
+_ATEN_WANTED = [True]
+"""Whether bf16 products go to PyTorch's oneDNN where it is built (`use_aten_products`)."""
 
 
 @functools.cache
@@ -216,11 +247,10 @@ def _load() -> tuple[bool, str]:
             f"{LIBRARY} was built from another version of {SOURCE.name}: rebuild it "
             "(python -m feynrl_jax.kernels.onednn build; `make setup` does)"
         )
-    _KERNEL[:] = [library]
-    _load_aten.cache_clear()  # a new kernel library has not been handed the ATen products yet
     if TARGET not in _REGISTERED:  # once per process, also when a rebuilt library is loaded again
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.FeynrlOnednnMatmul), platform="cpu")
         _REGISTERED.add(TARGET)
+        _KERNEL[:] = [library]  # XLA keeps calling this one
     return True, ""
 
 
@@ -231,37 +261,68 @@ def problem() -> str:
 
 @functools.cache
 def _load_aten() -> bool:
-    """Loads `aten_library()` and hands its products to the kernel, once per process: whether bf16 products with a
-    bf16 result now run on PyTorch's oneDNN. False where the kernel does not load, or the library is not built (no
-    PyTorch) or was built from other sources (said once in the log; the kernel's own oneDNN runs them)."""
+    """Loads `aten_library()` and hands its products to the kernel, once per process: whether large bf16 products
+    with a bf16 result now run on PyTorch's oneDNN. False where the kernel does not load, or the library is not built
+    (no PyTorch), was built from other sources or for another PyTorch (said in the log; the kernel's own oneDNN runs
+    them)."""
     path = aten_library()
     if not _load()[0] or not path.is_file():
         return False
     try:
         library = ctypes.CDLL(str(path))
         library.feynrl_aten_source_hash.restype = ctypes.c_char_p
+        library.feynrl_aten_torch_version.restype = ctypes.c_char_p
         built_from = library.feynrl_aten_source_hash().decode()
+        built_for = library.feynrl_aten_torch_version().decode()
     except (OSError, AttributeError) as error:
         log.warning("%s does not load (%s): bf16 products stay with the kernel's oneDNN 3.2", path, error)
         return False
-    if built_from != source_hash():
-        log.warning("%s was built from other sources: bf16 products stay with oneDNN 3.2 (rebuild: make setup)", path)
+    if built_from != source_hash() or built_for != _torch_version():
+        log.warning(
+            "%s was built from other sources or for PyTorch %s (installed: %s): bf16 products stay with oneDNN 3.2 "
+            "(rebuild: python -m feynrl_jax.kernels.onednn build)",
+            path,
+            built_for,
+            _torch_version() or "none",
+        )
         return False
+    library.feynrl_aten_set_threads(ctypes.c_int(_openmp_threads()))
+    _ATEN_LIBRARY[:] = [library]
     _KERNEL[0].feynrl_onednn_set_aten(
         ctypes.cast(library.feynrl_aten_matmul, ctypes.c_void_p), ctypes.c_int64(ATEN_MIN_MACS)
     )
     return True
 
 
+_ATEN_LIBRARY: list = []
+"""The loaded `aten_library()` (`_load_aten`)."""
+
+
+def _openmp_threads() -> int:
+    """The OpenMP threads of this process: the first level of `OMP_NUM_THREADS` where set (Ray's actors set it,
+    `orchestration.runtime`), else the CPUs it may use."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else usable_cpus()
+
+
+def aten_calls() -> int:
+    """How many products have run on PyTorch's oneDNN in this process (0 where its library is not loaded)."""
+    if not _ATEN_LIBRARY:
+        return 0
+    _ATEN_LIBRARY[0].feynrl_aten_calls.restype = ctypes.c_int64
+    return int(_ATEN_LIBRARY[0].feynrl_aten_calls())
+
+
 def use_aten_products(enabled: bool) -> bool:
-    """Hands the kernel's bf16 products with a bf16 result to PyTorch's oneDNN (`enabled`, where built; the default
-    once one is staged) or back to the kernel's own oneDNN 3.2, for programs compiled before as well: the kernel
-    reads the choice at every product. For benchmarks and tests that compare the two. Returns whether they now run
-    on PyTorch's oneDNN."""
+    """Hands the kernel's large bf16 products with a bf16 result to PyTorch's oneDNN (`enabled`, the default, where
+    built) or keeps them on the kernel's own oneDNN 3.2 until told otherwise, for programs compiled before as well:
+    the kernel reads the choice at every product. For benchmarks and tests that compare the two. Returns whether
+    they now run on PyTorch's oneDNN."""
+    _ATEN_WANTED[0] = enabled
     if not enabled:
         if _load()[0]:
             _KERNEL[0].feynrl_onednn_set_aten(None, ctypes.c_int64(0))
-        _load_aten.cache_clear()  # the next staged bf16 product hands them over again
+        _load_aten.cache_clear()  # handed over again when enabled
         return False
     _load_aten.cache_clear()
     return _load_aten()
@@ -299,7 +360,7 @@ def _machine_key() -> str:
     model = _cpuinfo("model name") or "unknown"
     units = "+".join(cpu_bf16_units()) or "none"
     threads = os.environ.get("OMP_NUM_THREADS") or "unset"
-    bf16_library = "aten" if aten_built() else "onednn 3.2"
+    bf16_library = f"aten, torch {_torch_version()}" if aten_built() else "onednn 3.2"
     return (
         f"{model} | {usable_cpus()} cpus | OMP_NUM_THREADS {threads} | {units} | kernel {source_hash()} "
         f"({bf16_library}) | jax {jax.__version__}"
@@ -477,7 +538,8 @@ def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -
     batch = a.shape[:-2]
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
-    if a.dtype == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16 and math.prod((*a.shape, n)) >= ATEN_MIN_MACS:
+    large = math.prod((*a.shape, n)) >= ATEN_MIN_MACS
+    if a.dtype == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16 and large and _ATEN_WANTED[0]:
         _load_aten()  # before the product runs: the kernel hands it to PyTorch's oneDNN where built
     if len(batch) > 1:
         a, b = a.reshape(math.prod(batch), *a.shape[-2:]), b.reshape(math.prod(batch), *b.shape[-2:])

@@ -165,6 +165,11 @@ extern "C" const char* feynrl_onednn_source_hash() { return FEYNRL_ONEDNN_SOURCE
 // Hands this library aten_matmul.cc's `feynrl_aten_matmul` for bf16 products of at least `min_macs` multiply-adds
 // (null: every product runs here again).
 extern "C" void feynrl_onednn_set_aten(void* fn, int64_t min_macs) {
+  if (fn == nullptr) {  // withdrawn first: a product running meanwhile never sees the function with another threshold
+    aten_matmul.store(nullptr, std::memory_order_release);
+    aten_min_macs.store(min_macs, std::memory_order_release);
+    return;
+  }
   aten_min_macs.store(min_macs, std::memory_order_release);
   aten_matmul.store(reinterpret_cast<AtenMatmul>(fn), std::memory_order_release);
 }

@@ -219,7 +219,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     Elementwise chains between the products compute in float32 and round once (`gated`, `rope.apply_rope`), where
     rounding after every operation in bfloat16 made XLA:CPU widen and narrow around each one: in a bf16
     forward+backward pass of SmolLM2-135M (8 x 256 tokens, 2-core AMX Xeon) the three together took the step from
-    4.65 to 4.03 s (`benchmarks/bench_bf16_step.py`, medians of 7). Transformers rounds the normalised input before
+    4.70 to 3.99 s (`benchmarks/bench_bf16_step.py`, medians of 7). Transformers rounds the normalised input before
     the scale; this rounds once, after it, closer to the float32 result."""
     wide = jnp.promote_types(x.dtype, jnp.float32)
     xf = x.astype(wide)
