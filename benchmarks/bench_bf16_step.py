@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_cpu_matmul import cpu_model, usable_cpus  # noqa: E402
-from bench_model_fwd_bwd import model_folder  # noqa: E402
+from bench_model_fwd_bwd import model_folder, torch_step  # noqa: E402
 
 import feynrl_jax.models.decoder as decoder  # noqa: E402
 from feynrl_jax.checkpoints import load_hf  # noqa: E402
@@ -87,25 +87,6 @@ def compiled_step(params, config, tokens, positions, per_op: bool):
             setattr(decoder, name, fn)
 
 
-def torch_step(folder: str, tokens: np.ndarray):
-    """One forward+backward step of the transformers model under bf16 autocast, as a function."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(usable_cpus())
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.train()
-    x = torch.tensor(tokens, dtype=torch.long)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(input_ids=x, labels=x)
-        out.loss.backward()
-
-    return step
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -138,7 +119,7 @@ def main():
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     times["PyTorch bf16 autocast"] = []
-    torch_one = torch_step(folder, tokens)
+    torch_one = torch_step(folder, tokens, bf16=True)
     for round_ in range(args.rounds):
         for name, (step, aten) in variants.items():
             if onednn.use_aten_products(aten) != aten:

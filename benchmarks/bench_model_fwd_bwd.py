@@ -109,9 +109,9 @@ def bench_jax(params, config, tokens: np.ndarray, steps: int, remat: str, chunk_
     return compile_s, (time.perf_counter() - start) / steps
 
 
-def bench_torch(folder: str, tokens: np.ndarray, steps: int, bf16: bool = False) -> float:
-    """Mean seconds per forward+backward step of the transformers model (float32 weights, eager/sdpa default; with
-    `bf16` under bfloat16 autocast)."""
+def torch_step(folder: str, tokens: np.ndarray, bf16: bool = False):
+    """One forward+backward step of the transformers model (float32 weights, eager/sdpa default; with `bf16` under
+    bfloat16 autocast) on `tokens`, as a function."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -127,6 +127,12 @@ def bench_torch(folder: str, tokens: np.ndarray, steps: int, bf16: bool = False)
             out = model(input_ids=x, labels=x)
         out.loss.backward()
 
+    return one
+
+
+def bench_torch(folder: str, tokens: np.ndarray, steps: int, bf16: bool = False) -> float:
+    """Mean seconds per forward+backward step of the transformers model (`torch_step`)."""
+    one = torch_step(folder, tokens, bf16)
     one()  # warm-up
     start = time.perf_counter()
     for _ in range(steps):

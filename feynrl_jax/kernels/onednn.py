@@ -272,6 +272,7 @@ def _load_aten() -> bool:
         library = ctypes.CDLL(str(path))
         library.feynrl_aten_source_hash.restype = ctypes.c_char_p
         library.feynrl_aten_torch_version.restype = ctypes.c_char_p
+        library.feynrl_aten_calls.restype = ctypes.c_int64
         built_from = library.feynrl_aten_source_hash().decode()
         built_for = library.feynrl_aten_torch_version().decode()
     except (OSError, AttributeError) as error:
@@ -307,10 +308,7 @@ def _openmp_threads() -> int:
 
 def aten_calls() -> int:
     """How many products have run on PyTorch's oneDNN in this process (0 where its library is not loaded)."""
-    if not _ATEN_LIBRARY:
-        return 0
-    _ATEN_LIBRARY[0].feynrl_aten_calls.restype = ctypes.c_int64
-    return int(_ATEN_LIBRARY[0].feynrl_aten_calls())
+    return int(_ATEN_LIBRARY[0].feynrl_aten_calls()) if _ATEN_LIBRARY else 0
 
 
 def use_aten_products(enabled: bool) -> bool:
