@@ -15,7 +15,7 @@ rows reach (`--live-len`), as the engine does while its sequences are shorter th
 
 `--backends xla,onednn` also times the per-layer step with each backend of the model's products
 (`model.cpu_matmul` forced, `feynrl_jax/kernels/onednn.py`) at batches `--backend-batches`, the backends taking
-turns: the figure behind "auto" keeping XLA for float32 decode steps (`onednn.use_onednn`'s `one_token`).
+turns: what "auto" decides for decode steps by a measurement of their own (`onednn.auto_choice`'s `one_token`).
 
 Run:
     python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10 [--dispatch-steps 8 --live-len 128]

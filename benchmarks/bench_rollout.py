@@ -231,7 +231,8 @@ def main():
         ) from err
     params, config = load_hf(folder)
     # What a run gets: `model.cpu_matmul="auto"` sends the products to oneDNN where the kernel is built and was
-    # measured faster than XLA on this machine in this dtype (`onednn.auto_choice`; float32 decode steps keep XLA).
+    # measured faster than XLA on this machine in this dtype (`onednn.auto_choice`; decode steps by a measurement
+    # of their own).
     config = dataclasses.replace(config, param_dtype=args.precision, compute_dtype=args.precision, cpu_matmul="auto")
     prompts = chat_prompts(tokenizer, args.num_seqs)
     cache_len = max(len(p) for p in prompts) + max(args.max_new, args.refill_max_new)

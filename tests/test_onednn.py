@@ -8,9 +8,13 @@ eq. 3.5, with the first-order bound K u). Gradients are such products of the cot
 dtype (one more U of that dtype relative to the cotangent).
 
 The model-level checks (the switch reaches the compiled step, "auto" resolves by the CPU and a measurement, the bfloat16
-and float32 steps are as close to float64 as XLA's own steps, a float32 decode step keeps XLA) run in a subprocess with
-one CPU device: the kernel is refused where JAX has several devices, as this test process has (conftest's 8 fake
-devices).
+and float32 steps are as close to float64 as XLA's own steps, a float32 decode step follows its own measurement) run in
+a subprocess with one CPU device: the kernel is refused where JAX has several devices, as this test process has
+(conftest's 8 fake devices).
+
+On a CPU with neither bf16 instructions nor AVX-512 (AVX2 only) the kernel's oneDNN 3.2 has no bfloat16 matmul, so the
+model never sends it one (`onednn.bf16_products_here`); the bfloat16 product tests are skipped there, with the reason,
+and `test_an_avx2_cpu_gets_no_bf16_products` checks the rule and, on such a CPU, that the kernel indeed fails.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler: the kernel cannot be built here"
 )
 U_BF16, U_F32 = 2.0**-8, 2.0**-24
+BF16_HERE = onednn.bf16_products_here()
+needs_bf16_products = pytest.mark.skipif(
+    not BF16_HERE,
+    reason="oneDNN 3.2 has no bfloat16 matmul on this CPU (neither bf16 instructions nor AVX-512); the model never "
+    "sends it one here (test_onednn_is_refused_on_a_cpu_without_avx512, test_an_avx2_cpu_gets_no_bf16_products)",
+)
+BF16 = pytest.param(jnp.bfloat16, marks=needs_bf16_products, id="bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +181,7 @@ _ATEN_ROUTING = textwrap.dedent(
 )
 
 
+@needs_bf16_products
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed: no ATen library")
 def test_only_bf16_products_load_pytorch_and_both_backends_are_within_the_bound(kernel):
     # A fresh process (this one may have imported torch): float32 products, bf16 ones with a float32 result and small
@@ -204,7 +216,12 @@ BATCHES = [(), (3,), (2, 3)]
 @pytest.mark.parametrize("trans_b", [False, True])
 # float32 operands give a float32 result only (test_kernel_refuses_mismatched_operands).
 @pytest.mark.parametrize(
-    ("in_dtype", "out_dtype"), [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32)]
+    ("in_dtype", "out_dtype"),
+    [
+        pytest.param(jnp.bfloat16, jnp.bfloat16, marks=needs_bf16_products, id="bfloat16-bfloat16"),
+        pytest.param(jnp.bfloat16, jnp.float32, marks=needs_bf16_products, id="bfloat16-float32"),
+        (jnp.float32, jnp.float32),
+    ],
 )
 def test_dot_against_float64(bf16_library, in_dtype, out_dtype, trans_b, batch):
     rng = np.random.default_rng(0)
@@ -220,7 +237,7 @@ def test_dot_against_float64(bf16_library, in_dtype, out_dtype, trans_b, batch):
 
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("trans_b", [False, True])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [BF16, jnp.float32])
 def test_dot_gradients_against_float64(bf16_library, dtype, trans_b, batch):
     rng = np.random.default_rng(1)
     a, w = _normal(rng, (*batch, 24, 40), dtype), rng.normal(size=(*batch, 24, 32))
@@ -246,7 +263,7 @@ def test_dot_gradients_against_float64(bf16_library, dtype, trans_b, batch):
     bf16_library(dtype == jnp.bfloat16)  # the gradient products give bf16 results
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [BF16, jnp.float32])
 def test_attention_products_in_onednn_against_float64(bf16_library, dtype):
     """`attention.attend` with its two products in oneDNN, against float64 attention of the same inputs.
 
@@ -315,7 +332,9 @@ def test_switch_resolution_in_this_multi_device_process(kernel):
     for dtype in (jnp.bfloat16, jnp.float32):
         assert onednn.use_onednn("auto", dtype) is False  # several devices: XLA
         assert onednn.use_onednn("xla", dtype) is False
-        with pytest.raises(ValueError, match="model.cpu_matmul='onednn' cannot run: the job has 8 devices"):
+        # (bfloat16 on an AVX2-only CPU is refused for the CPU first: test_an_avx2_cpu_gets_no_bf16_products)
+        why = "the job has 8 devices" if BF16_HERE or dtype == jnp.float32 else "this CPU has neither bf16 instructions"
+        with pytest.raises(ValueError, match=f"model.cpu_matmul='onednn' cannot run: {why}"):
             onednn.use_onednn("onednn", dtype)
     assert not any(onednn.use_onednn(backend, jnp.float16) for backend in ("auto", "onednn"))  # no such kernel
 
@@ -338,12 +357,38 @@ def test_onednn_is_refused_on_a_cpu_without_avx512(kernel, monkeypatch):
         onednn.use_onednn("onednn", jnp.bfloat16)
 
 
+def test_an_avx2_cpu_gets_no_bf16_products(kernel, auto_cache, monkeypatch):
+    # On a CPU with neither bf16 instructions nor AVX-512, "auto" never times nor takes the kernel for bfloat16 (in
+    # a training pass or a decode step, whatever a stored record says) and "onednn" is refused for it; float32 is
+    # unaffected.
+    monkeypatch.setattr(onednn, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        onednn, "_measure", lambda dtype, one_token=False: {"onednn_s": 1.0, "xla_s": 2.0, "onednn": True}
+    )
+    assert not onednn.bf16_products_here()
+    assert not onednn.auto_applies(jnp.bfloat16) and onednn.auto_applies(jnp.float32)
+    for one_token in (False, True):
+        assert not onednn.use_onednn("auto", jnp.bfloat16, one_token=one_token)
+        assert onednn.use_onednn("auto", jnp.float32, one_token=one_token)  # the (patched) measurement decides
+        with pytest.raises(ValueError, match="neither bf16 instructions nor AVX-512"):
+            onednn.use_onednn("onednn", jnp.bfloat16, one_token=one_token)
+    monkeypatch.undo()
+    if not BF16_HERE:  # this CPU is one: its oneDNN 3.2 indeed has no bfloat16 matmul (why the rule exists)
+        onednn.use_aten_products(False)
+        try:
+            with pytest.raises(Exception, match="could not create a primitive descriptor"):
+                jax.block_until_ready(onednn.dot(jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 4), jnp.bfloat16)))
+        finally:
+            onednn.use_aten_products(True)
+
+
 def test_trainers_log_the_backend_and_refuse_onednn_on_several_devices():
     from feynrl_jax.models.config import ModelConfig
     from feynrl_jax.train import run_setup
 
     line = run_setup.log_compute(ModelConfig(compute_dtype="bfloat16", cpu_matmul="auto", remat="auto"))
-    assert "matrix products by XLA" in line and "remat 'full'" in line
+    assert "matrix products by XLA; decode steps' products by XLA" in line and "remat 'full'" in line
     with pytest.raises(ValueError, match="model.cpu_matmul='onednn' cannot run"):
         run_setup.log_compute(ModelConfig(compute_dtype="bfloat16", cpu_matmul="onednn"))
 
@@ -378,7 +423,7 @@ def auto_cache(tmp_path, monkeypatch):
 
 
 # The timed products take 3 x 2 M K N FLOPs (about 10.9 GFLOP): no CPU runs that in under a millisecond. (Products
-# staged into the caller's trace instead of run are refused by `_time_products` itself.)
+# staged into the caller's trace instead of run are refused by `_time_turns` itself.)
 MIN_REAL_SECONDS = 1e-3
 
 
@@ -386,34 +431,58 @@ def test_auto_times_both_backends_once_per_machine_and_dtype_and_follows_the_fas
     # Measured while a jit trace is in progress on this thread, as when a model's pass is traced first.
     seen = {}
     jax.jit(lambda x: seen.setdefault("record", onednn.auto_choice("bfloat16")) and x).lower(1.0)
-    measured = {"bfloat16": seen["record"], "float32": onednn.auto_choice("float32")}
-    for record in measured.values():
+    measured = {("bfloat16", False): seen["record"], ("float32", False): onednn.auto_choice("float32")}
+    # A decode step's products are measured apart, at each of AUTO_DECODE_ROWS rows (the first under a trace too).
+    jax.jit(lambda x: seen.setdefault("decode", onednn.auto_choice("float32", one_token=True)) and x).lower(1.0)
+    measured["float32", True] = seen["decode"]
+    for (_, one_token), record in measured.items():
         assert record["onednn_s"] > MIN_REAL_SECONDS and record["xla_s"] > MIN_REAL_SECONDS, record
-        assert record["onednn"] == (record["xla_s"] >= onednn.AUTO_MIN_SPEEDUP * record["onednn_s"])
+        if not one_token:
+            assert record["onednn"] == (record["xla_s"] >= onednn.AUTO_MIN_SPEEDUP * record["onednn_s"])
+    by_rows = measured["float32", True]["by_rows"]
+    assert sorted(by_rows) == sorted(str(rows) for rows in onednn.AUTO_DECODE_ROWS)
+    assert measured["float32", True]["onednn_s"] == pytest.approx(sum(t["onednn_s"] for t in by_rows.values()))
+    assert measured["float32", True]["xla_s"] == pytest.approx(sum(t["xla_s"] for t in by_rows.values()))
+    # Each time reads the chain's weights once (about 57 MB in float32): no machine does that in 0.1 ms.
+    assert all(min(t.values()) > MIN_REAL_SECONDS / 10 for t in by_rows.values()), by_rows
+    assert measured["float32", True]["onednn"] == all(
+        t["xla_s"] >= onednn.AUTO_MIN_SPEEDUP * t["onednn_s"] for t in by_rows.values()
+    )
     stored = json.loads(auto_cache.read_text())
-    assert stored == {onednn._record_key(dtype): record for dtype, record in measured.items()}
+    assert stored == {onednn._record_key(dtype, one_token): record for (dtype, one_token), record in measured.items()}
     assert onednn._record_key("float32").startswith(onednn._machine_key())
+    assert onednn._record_key("float32", one_token=True) != onednn._record_key("float32")
     assert not list(auto_cache.parent.glob("*.tmp"))
-    # A later process reads the machine's records instead of measuring, and "auto" follows each dtype's own verdict
-    # (the one-device condition is met here by hand: this process has 8 fake devices).
-    monkeypatch.setattr(onednn, "_measure", lambda dtype: pytest.fail("measured again despite the stored record"))
+    # A later process reads the machine's records instead of measuring, and "auto" follows each dtype's and each
+    # kind's own verdict (the one-device condition is met here by hand: this process has 8 fake devices).
+    monkeypatch.setattr(onednn, "_measure", lambda *a: pytest.fail("measured again despite the stored record"))
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     for onednn_s, verdict in ((0.01, True), (0.05, False)):
         record = {"onednn_s": onednn_s, "xla_s": 0.03, "onednn": verdict}
         other = {"onednn_s": 0.08 - onednn_s, "xla_s": 0.03, "onednn": not verdict}
         auto_cache.write_text(
-            json.dumps({onednn._record_key("bfloat16"): record, onednn._record_key("float32"): other})
+            json.dumps(
+                {
+                    onednn._record_key("bfloat16"): record,
+                    onednn._record_key("float32"): other,
+                    onednn._record_key("bfloat16", one_token=True): other,
+                    onednn._record_key("float32", one_token=True): record,
+                }
+            )
         )
         onednn._auto_choice.cache_clear()
         assert onednn.auto_choice("bfloat16") == record and onednn.auto_choice("float32") == other
         assert onednn.use_onednn("auto", jnp.bfloat16) == (verdict and bool(onednn.cpu_bf16_units()))
         assert onednn.use_onednn("auto", jnp.float32) == (not verdict)
-        assert not onednn.use_onednn("auto", jnp.float32, one_token=True)  # a float32 decode step keeps XLA
-        assert onednn.use_onednn("onednn", jnp.float32, one_token=True)  # unless forced
-        assert onednn.use_onednn("auto", jnp.bfloat16, one_token=True) == onednn.use_onednn("auto", jnp.bfloat16)
+        assert onednn.use_onednn("auto", jnp.float32, one_token=True) == verdict
+        assert onednn.use_onednn("auto", jnp.bfloat16, one_token=True) == (
+            not verdict and bool(onednn.cpu_bf16_units())
+        )
+        assert onednn.use_onednn("onednn", jnp.float32, one_token=True)  # forced, whatever the measurement
+        assert not onednn.use_onednn("xla", jnp.float32, one_token=True)
     # Another machine's record (another CPU, kernel or JAX) does not count for this one, nor does a broken record.
     fresh = {"onednn_s": 1.0, "xla_s": 2.0, "onednn": True}
-    monkeypatch.setattr(onednn, "_measure", lambda dtype: fresh)
+    monkeypatch.setattr(onednn, "_measure", lambda *a: fresh)
     key = onednn._record_key("bfloat16")
     for broken in (
         None,
@@ -426,7 +495,7 @@ def test_auto_times_both_backends_once_per_machine_and_dtype_and_follows_the_fas
         assert json.loads(auto_cache.read_text()) == {"other cpu | 2 cpus | bfloat16": record, key: fresh}
     # A measurement that fails leaves XLA in charge and nothing stored, so the next process tries again.
     auto_cache.unlink()
-    monkeypatch.setattr(onednn, "_measure", lambda dtype: 1 / 0)
+    monkeypatch.setattr(onednn, "_measure", lambda *a: 1 / 0)
     onednn._auto_choice.cache_clear()
     assert onednn.auto_choice("bfloat16") == {"onednn": False, "error": "ZeroDivisionError: division by zero"}
     assert not onednn.use_onednn("auto", jnp.bfloat16) and not onednn.use_onednn("auto", jnp.float32)
@@ -470,8 +539,11 @@ _ONE_DEVICE = textwrap.dedent(
            "auto_f32": onednn.use_onednn("auto", jnp.float32), "choice_f32": onednn.auto_choice("float32"),
            "log_f32": run_setup.log_compute(dataclasses.replace(base, cpu_matmul="auto")),
            "auto_remat": base.__class__(remat="auto").resolved_remat()}
+    # bfloat16 products in the kernel only where its oneDNN has them (not on an AVX2-only CPU).
+    out["bf16_here"] = onednn.bf16_products_here()
     runs = [("bfloat16", "xla", "none"), ("bfloat16", "onednn", "none"), ("bfloat16", "onednn", "full"),
-            ("bfloat16", "onednn", "dots"), ("float32", "xla", "none"), ("float32", "onednn", "none")]
+            ("bfloat16", "onednn", "dots")] * out["bf16_here"]
+    runs += [("float32", "xla", "none"), ("float32", "onednn", "none")]
     for dtype, backend, remat in runs:
         config = dataclasses.replace(base, compute_dtype=dtype, cpu_matmul=backend, remat=remat)
         text = jax.jit(lambda p: sequence_logprobs(p, tokens, positions, config=config)[0]).lower(params).as_text()
@@ -492,13 +564,15 @@ _ONE_DEVICE = textwrap.dedent(
     bounds = SegmentBounds(segment=8, prefix=8)
     bounds.check(np.asarray(segment_positions), np.asarray(ids))
     assert bounds.pays(48, base.num_kv_heads / base.num_heads)
-    blocked = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul="onednn")
-    # A float32 decode step (one token per row): XLA under "auto" whatever the measurement, oneDNN when forced.
+    blocked_dtype = "bfloat16" if out["bf16_here"] else "float32"
+    blocked = dataclasses.replace(base, compute_dtype=blocked_dtype, cpu_matmul="onednn")
+    # A float32 decode step (one token per row): under "auto" the decode measurement decides, oneDNN when forced.
     from feynrl_jax.models import KVCache, init_cache
     cache = init_cache(base, 2, 32)
     step = lambda config: jax.jit(lambda p, c: decoder.logits(p, decoder.forward(
         p, tokens[:, :1], positions[:, :1], config=config, cache=c)[0], config=config)).lower(params, cache)
     out["decode_f32_calls"] = step(dataclasses.replace(base, cpu_matmul="auto")).as_text().count(onednn.TARGET)
+    out["choice_decode_f32"] = onednn.auto_choice("float32", one_token=True)
     forced = step(dataclasses.replace(base, cpu_matmul="onednn")).as_text().count(onednn.TARGET)
     assert forced == 10, forced
     out["blocked_calls"] = jax.jit(lambda p: decoder.forward(
@@ -522,19 +596,37 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     # The switch reaches the compiled pass: 7 projections and attention's 2 batched products per layer are scanned
     # once + the tied output projection.
-    assert result["xla"]["calls"] == 0
-    assert result["onednn"]["calls"] == 10
+    assert result["bf16_here"] == BF16_HERE
     assert result["blocked_calls"] == 9  # no output projection in `forward`
     # "auto" takes oneDNN exactly where the CPU has bf16 matrix instructions (one device, kernel built) and oneDNN
     # was measured faster here; the trainer's log says which and the measured ratio.
     assert result["auto"] == (bool(result["units"]) and result["choice"]["onednn"])
     assert ("matrix products by oneDNN" in result["log"]) == result["auto"]
-    assert ("x XLA's speed on this machine" in result["log"]) == bool(result["units"])
+    assert ("x XLA's speed here" in result["log"]) == bool(result["units"])
     assert result["auto_remat"] == "full"
     # float32 follows its own measurement, whatever the CPU's bf16 instructions.
     assert result["auto_f32"] == result["choice_f32"]["onednn"]
     assert ("matrix products by oneDNN" in result["log_f32"]) == result["auto_f32"]
-    assert "x XLA's speed on this machine" in result["log_f32"] and "compute in float32" in result["log_f32"]
+    assert "x XLA's speed here" in result["log_f32"] and "compute in float32" in result["log_f32"]
+    # and so does its decode steps' measurement (logged apart)
+    decode_backend = "oneDNN" if result["choice_decode_f32"]["onednn"] else "XLA"
+    assert f"decode steps' products by {decode_backend} (oneDNN measured at" in result["log_f32"], result["log_f32"]
+    # float32: the same calls. Both backends multiply float32 operands and accumulate in float32, in different
+    # orders, so oneDNN's distance to float64 is held to XLA's own, doubled, plus a margin of K U with K = 384,
+    # the longest contraction here (the tied output projection's input gradient sums over the vocabulary): one
+    # product's first-order bound relative to |a| @ |b|. The loss and the relative gradient errors are of order
+    # 1e-7 to 1e-6 (a few U) either way; the margin is 2.3e-5.
+    assert result["xla-float32"]["calls"] == 0 and result["onednn-float32"]["calls"] == 10
+    # A float32 decode step follows the decode measurement: all 10 products in oneDNN or none.
+    assert result["decode_f32_calls"] == (10 if result["choice_decode_f32"]["onednn"] else 0), result
+    for key in ("loss_error", "grad_error"):
+        assert result["onednn-float32"][key] <= 2 * result["xla-float32"][key] + 384 * U_F32, result
+    if (
+        not BF16_HERE
+    ):  # the bfloat16 runs below need the kernel's bf16 products (test_an_avx2_cpu_gets_no_bf16_products)
+        return
+    assert result["xla"]["calls"] == 0
+    assert result["onednn"]["calls"] == 10
     # Both bf16 passes differ from float64 by bf16 roundings of the same products; oneDNN rounds at most as often as
     # XLA (both accumulate in float32), so its error is bounded by XLA's own plus a few U.
     # With recomputation ("full", the CPU's "auto", and "dots", which keeps oneDNN's outputs by name) the same.
@@ -547,12 +639,3 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
         assert result[run]["calls"] == 10, run
         for key in ("loss_error", "grad_error"):
             assert result[run][key] <= 2 * result["xla"][key] + 4 * U_BF16, (run, result)
-    # float32: the same calls. Both backends multiply float32 operands and accumulate in float32, in different
-    # orders, so oneDNN's distance to float64 is held to XLA's own, doubled, plus a margin of K U with K = 384,
-    # the longest contraction here (the tied output projection's input gradient sums over the vocabulary): one
-    # product's first-order bound relative to |a| @ |b|. The loss and the relative gradient errors are of order
-    # 1e-7 to 1e-6 (a few U) either way; the margin is 2.3e-5.
-    assert result["xla-float32"]["calls"] == 0 and result["onednn-float32"]["calls"] == 10
-    assert result["decode_f32_calls"] == 0
-    for key in ("loss_error", "grad_error"):
-        assert result["onednn-float32"][key] <= 2 * result["xla-float32"][key] + 384 * U_F32, result

@@ -28,7 +28,8 @@ projection (`decoder.forward`, `attention.attend`, `decoder.logits`), for a bflo
   otherwise. The measurement decides, not the CPU's flags: on a 2-core Intel Xeon with AVX-512-BF16 (no AMX) oneDNN's
   bfloat16 products ran at 0.6-0.7x XLA's rate (0.68-0.96x PyTorch's) while its float32 ones ran at 1.10-1.20x (the
   measured product and its two gradient products together), where an AMD EPYC's bfloat16 ones ran at 1.7-2.5x and an AMX
-  Xeon's at 1.3-5.4x (`benchmarks/bench_cpu_matmul.py`; README).
+  Xeon's at 1.3-5.4x (`benchmarks/bench_cpu_matmul.py`; README). A decode step's products (one token per row) follow
+  a measurement of their own (`auto_choice`'s `one_token`).
 - "onednn": oneDNN for bfloat16 and float32 products, refused at validation when the library is not built, and
   where a trainer starts (`run_setup.log_compute`) or a pass is traced when it cannot load, on an accelerator, in a
   multi-device job (XLA's partitioner would gather a custom call's operands onto each device) or, for bfloat16, on
@@ -84,6 +85,12 @@ has none."""
 AUTO_SHAPE = (2048, 576, 1536)
 """`[M, K, N]` of the product "auto" times both ways, with its two gradient products: SmolLM2-135M's MLP
 up-projection over 8 x 256 tokens."""
+AUTO_DECODE_ROWS = (8, 32)
+"""Rows of the decode-step products "auto" times apart (`auto_choice(..., one_token=True)`): a decode step multiplies
+as many rows as the engine has sequences, and the engine decodes a batch's tail in a quarter of its slots."""
+AUTO_DECODE_LAYERS = 8
+"""MLP layers (`AUTO_SHAPE`'s up-projection and its down-projection, weights of their own) in the timed decode chain:
+about 57 MB of float32 weights, more than a CPU's caches hold, so they stream from memory as a decode step's do."""
 AUTO_MIN_SPEEDUP = 1.1
 """"auto" takes oneDNN where it ran at least this much faster than XLA (a margin over timing noise)."""
 AUTO_FILE = "onednn_auto.json"
@@ -352,6 +359,13 @@ def cpu_bf16_units() -> tuple[str, ...]:
     return tuple(flag for flag in CPU_BF16_FLAGS if flag in _cpu_flags())
 
 
+def bf16_products_here() -> bool:
+    """Whether the kernel's oneDNN 3.2 has a bfloat16 matmul on this CPU: bf16 instructions, or AVX-512 "core" where
+    it computes one in float32 (`AVX512_CORE`). Without either (an AVX2-only CPU) it has none, and the kernel fails
+    on a bfloat16 product: `model.cpu_matmul="onednn"` is refused for bfloat16 there, and "auto" keeps XLA."""
+    return bool(cpu_bf16_units()) or set(AVX512_CORE) <= _cpu_flags()
+
+
 def _machine_key() -> str:
     """What a measurement of "auto" holds for: the CPU model, the CPUs this process may use and oneDNN's OpenMP
     threads (Ray's actors get `OMP_NUM_THREADS` set), the bf16 instructions, the kernel's source, JAX's version."""
@@ -365,14 +379,30 @@ def _machine_key() -> str:
     )
 
 
-def _record_key(dtype: str) -> str:
-    """The key of a measurement of products in `dtype` on this machine (`_machine_key`)."""
-    return f"{_machine_key()} | {dtype}"
+def _record_key(dtype: str, one_token: bool = False) -> str:
+    """The key of a measurement of products in `dtype` on this machine (`_machine_key`), of a decode step's products
+    where `one_token`."""
+    return f"{_machine_key()} | {dtype}" + (" | decode" if one_token else "")
+
+
+def _time_turns(runs: tuple, arguments: tuple, repeats: int) -> list[float]:
+    """Seconds of each of `runs` (jitted functions of `arguments`), each the best of `repeats`; they take turns, so a
+    change of load on the machine weighs on all of them. A first round compiles and is not timed."""
+    best = [float("inf")] * len(runs)
+    for round_ in range(1 + repeats):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            out = jax.block_until_ready(run(*arguments))
+            if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(out)):  # staged, not run
+                raise RuntimeError("the timed products were traced instead of run (call this outside a trace)")
+            if round_:
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def _time_products(dtype: str, repeats: int = 5) -> tuple[float, float]:
     """Seconds `(oneDNN, XLA)`, each the best of `repeats`, of `AUTO_SHAPE`'s product in `dtype` and its two
-    gradient products; the two backends take turns, so a change of load on the machine weighs on both."""
+    gradient products."""
     m, k, n = AUTO_SHAPE
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(m, k)), dtype)
@@ -381,25 +411,56 @@ def _time_products(dtype: str, repeats: int = 5) -> tuple[float, float]:
     def step(product):
         return jax.jit(jax.grad(lambda x, w: jnp.sum(product(x, w).astype(jnp.float32)), argnums=(0, 1)))
 
-    steps = (step(lambda x, w: dot(x, w, out_dtype=x.dtype)), step(lambda x, w: x @ w))
-    best = [float("inf")] * len(steps)
-    for round_ in range(1 + repeats):  # round 0 compiles
-        for i, run in enumerate(steps):
-            start = time.perf_counter()
-            grads = jax.block_until_ready(run(x, w))
-            if any(isinstance(g, jax.core.Tracer) for g in grads):  # staged into a trace, not run: no timing
-                raise RuntimeError("the timed products were traced instead of run (call this outside a trace)")
-            if round_:
-                best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+    onednn_s, xla_s = _time_turns((step(lambda x, w: dot(x, w, out_dtype=x.dtype)), step(jnp.matmul)), (x, w), repeats)
+    return onednn_s, xla_s
 
 
-def _measure(dtype: str) -> dict:
-    # On a thread of its own: JAX's trace state is per thread, and a trace in progress on the caller's (a model
-    # being jitted) would stage these computations instead of running them.
+def _time_decode_products(dtype: str, repeats: int = 5) -> dict[int, tuple[float, float]]:
+    """Seconds `(oneDNN, XLA)` by rows (`AUTO_DECODE_ROWS`), each the best of `repeats`, of a decode step's kind of
+    products in `dtype`: `AUTO_DECODE_LAYERS` MLP layers of `AUTO_SHAPE`'s width, `x @ up` then `@ down`, forward
+    only, on as many rows as a decode step has sequences."""
+    _, k, n = AUTO_SHAPE
+    rng = np.random.default_rng(0)
+    weights = [
+        (
+            jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), dtype),
+            jnp.asarray(rng.normal(size=(n, k)) / np.sqrt(n), dtype),
+        )
+        for _ in range(AUTO_DECODE_LAYERS)
+    ]
+
+    def chain(product):
+        def run(x, weights):
+            for up, down in weights:
+                x = product(product(x, up), down)
+            return x
+
+        return jax.jit(run)
+
+    runs = (chain(lambda x, w: dot(x, w, out_dtype=x.dtype)), chain(jnp.matmul))
+    times = {}
+    for rows in AUTO_DECODE_ROWS:
+        x = jnp.asarray(rng.normal(size=(rows, k)), dtype)
+        onednn_s, xla_s = _time_turns(runs, (x, weights), repeats)
+        times[rows] = (onednn_s, xla_s)
+    return times
+
+
+def _measure(dtype: str, one_token: bool = False) -> dict:
+    """`auto_choice`'s record: measured on a thread of its own, since JAX's trace state is per thread and a trace in
+    progress on the caller's (a model being jitted) would stage these computations instead of running them."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        onednn_s, xla_s = pool.submit(_time_products, dtype).result()
-    return {"onednn_s": onednn_s, "xla_s": xla_s, "onednn": xla_s >= AUTO_MIN_SPEEDUP * onednn_s}
+        if not one_token:
+            onednn_s, xla_s = pool.submit(_time_products, dtype).result()
+            return {"onednn_s": onednn_s, "xla_s": xla_s, "onednn": xla_s >= AUTO_MIN_SPEEDUP * onednn_s}
+        by_rows = pool.submit(_time_decode_products, dtype).result()
+    return {
+        "onednn_s": sum(onednn_s for onednn_s, _ in by_rows.values()),
+        "xla_s": sum(xla_s for _, xla_s in by_rows.values()),
+        # Faster by the margin at every size of batch a decode step has: the engine runs both.
+        "onednn": all(xla_s >= AUTO_MIN_SPEEDUP * onednn_s for onednn_s, xla_s in by_rows.values()),
+        "by_rows": {str(rows): {"onednn_s": o, "xla_s": x} for rows, (o, x) in by_rows.items()},
+    }
 
 
 def _valid(record) -> bool:
@@ -434,24 +495,33 @@ def _exclusive(path: Path):
         yield
 
 
-def auto_choice(dtype) -> dict:
+def auto_choice(dtype, one_token: bool = False) -> dict:
     """Whether "auto" takes oneDNN for products in `dtype` (bfloat16 or float32) on this machine: `{"onednn_s",
     "xla_s", "onednn"}`, the seconds of `AUTO_SHAPE`'s forward and backward products in `dtype` by each backend and
     the verdict (oneDNN at least `AUTO_MIN_SPEEDUP` times faster).
 
-    Measured once per machine and dtype (`_machine_key`; 1.9 s on a 2-core machine, 2.1 s on 16 AMX cores) and kept in
+    `one_token`: the verdict for a decode step's products (one token per row), measured apart: a chain of
+    `AUTO_DECODE_LAYERS` MLP layers, forward only, at each of `AUTO_DECODE_ROWS` rows (`"by_rows"` holds the times),
+    oneDNN where it was faster by the margin at every one. Few rows and weights streamed from memory rank the two
+    backends differently from a training step's products: on a 2-core Intel Xeon with AVX-512, oneDNN's float32
+    products ran 1.1-1.2x faster at 2048 rows, but decode steps of 32 and 8 rows with them ran at 1.03-1.06x and
+    0.92-0.95x XLA's speed; on a 2-core AMD EPYC with AVX2 they ran at 0.96x at 2048 rows and the decode steps at
+    1.31-1.32x (`benchmarks/bench_decode_step.py --backends xla,onednn`).
+
+    Measured once per machine, dtype and kind (`_machine_key`; a training step's products in 1.9 s on a 2-core
+    machine, 2.1 s on 16 AMX cores, a decode step's in 1.0-1.2 s on a 2-core AMD EPYC) and kept in
     `<cache root>/onednn_auto.json`, which later processes read, so every run on the machine takes the same backend;
     a new CPU, kernel or JAX measures again, and so does a record that is not a valid measurement. Where the file
     cannot be written, the measurement holds for this process only. Where it fails (`{"onednn": False, "error":
     ...}`), XLA runs, and the next process tries again. Call it where the kernel can run (`problem()` is "").
     """
-    return _auto_choice(jnp.dtype(dtype).name)
+    return _auto_choice(jnp.dtype(dtype).name, one_token)
 
 
 @functools.cache
-def _auto_choice(dtype: str) -> dict:
+def _auto_choice(dtype: str, one_token: bool = False) -> dict:
     """`auto_choice` for a dtype's name, once per process."""
-    key = _record_key(dtype)
+    key = _record_key(dtype, one_token)
     path = Path(default_cache_root()) / AUTO_FILE
     record = _stored(path).get(key)
     if _valid(record):
@@ -461,7 +531,7 @@ def _auto_choice(dtype: str) -> dict:
         if _valid(known.get(key)):
             return known[key]
         try:
-            record = _measure(dtype)
+            record = _measure(dtype, one_token)
         except Exception as error:  # XLA is always there
             log.warning("model.cpu_matmul='auto': timing oneDNN against XLA failed (%s); XLA runs", error)
             return {"onednn": False, "error": f"{type(error).__name__}: {error}"}
@@ -482,12 +552,8 @@ def _auto_choice(dtype: str) -> dict:
 def use_onednn(backend: str, dtype, one_token: bool = False) -> bool:
     """Whether the model's products of `dtype` go to oneDNN under `model.cpu_matmul=backend` (see module doc).
 
-    `one_token`: the pass feeds one token per row (a decode step). Under "auto" a float32 decode step keeps XLA:
-    its products have as many rows as the batch has sequences, and on the 2-core Intel Xeon where oneDNN's float32
-    products ran 1.1-1.2x faster at 2048 rows (`auto_choice`), decode steps of 32 and 8 rows with them ran at
-    1.03-1.06x and 0.92-0.95x XLA's speed (`benchmarks/bench_decode_step.py --backends xla,onednn`): nothing to
-    gain where the engine decodes a batch's tail in 8 rows or fewer (`NativeEngine`'s `narrow_tail`). bfloat16
-    decode steps follow the measurement.
+    `one_token`: the pass feeds one token per row (a decode step), which "auto" decides by its own measurement
+    (`auto_choice`'s `one_token`).
 
     Raises:
         ValueError: `backend="onednn"` where it cannot run (not loadable, not a CPU, several devices), naming
@@ -500,7 +566,7 @@ def use_onednn(backend: str, dtype, one_token: bool = False) -> bool:
         why = problem()
         if not why and jax.default_backend() != "cpu":
             why = f"JAX runs on {jax.default_backend()!r}, not a CPU"
-        if not why and dtype == jnp.bfloat16 and not cpu_bf16_units() and not set(AVX512_CORE) <= _cpu_flags():
+        if not why and dtype == jnp.bfloat16 and not bf16_products_here():
             why = "this CPU has neither bf16 instructions nor AVX-512, where oneDNN 3.2 has no bfloat16 matmul"
         if not why and jax.device_count() > 1:
             why = f"the job has {jax.device_count()} devices; the kernel runs where there is one"
@@ -509,9 +575,7 @@ def use_onednn(backend: str, dtype, one_token: bool = False) -> bool:
         return True
     if backend != "auto":
         raise ValueError(f"model.cpu_matmul={backend!r}: expected one of {CPU_MATMUL_BACKENDS}")
-    if one_token and dtype == jnp.float32:
-        return False
-    return auto_applies(dtype) and bool(auto_choice(dtype)["onednn"])
+    return auto_applies(dtype) and bool(auto_choice(dtype, one_token)["onednn"])
 
 
 def auto_applies(dtype) -> bool:
