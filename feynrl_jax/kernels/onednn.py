@@ -525,7 +525,7 @@ def auto_choice(dtype, one_token: bool = False) -> dict:
     oneDNN where it was faster by the margin at every one. Few rows and weights streamed from memory rank the two
     backends differently from a training step's products: on a 2-core Intel Xeon with AVX-512, oneDNN's float32
     products ran 1.1-1.2x faster at 2048 rows, but decode steps of 32 and 8 rows with them ran at 1.03-1.06x and
-    0.92-0.95x XLA's speed; on a 2-core AMD EPYC with AVX2 they ran at 0.96x at 2048 rows and the decode steps at
+    0.92-0.95x XLA's speed; on a 2-core AMD EPYC with AVX2 they ran at 0.96-1.20x at 2048 rows and the decode steps at
     1.31-1.32x (`benchmarks/bench_decode_step.py --backends xla,onednn`).
 
     Measured once per machine, dtype and kind (`_machine_key`; a training step's products in 1.9 s on a 2-core
