@@ -685,10 +685,10 @@ def measure_auto() -> list[str]:
     products and a decode step's) where none is stored; returns a line for each.
 
     `build` (and so `make setup`) runs it where the machine is otherwise idle, so that runs read a verdict instead of
-    measuring while their other processes start: on a 2-core AMD EPYC a rollout worker that measured while the
-    trainer compiled found oneDNN's decode products no faster than XLA's at 8 rows (32.5 against 32.3 ms), where the
-    idle machine measured them 1.6-1.9x faster. The records hold for processes with the same `_machine_key`: the
-    same CPUs and OpenMP threads (all the usable CPUs unless `OMP_NUM_THREADS` says otherwise).
+    measuring while their other processes start: on a 2-core AMD EPYC a GRPO run that measured at start-up, while its
+    other processes compiled, found oneDNN's decode products no faster than XLA's at 8 rows (32.5 against 32.3 ms),
+    where the idle machine measured them 1.6-1.9x faster. The records hold for processes with the same
+    `_machine_key`: the same CPUs and OpenMP threads (`_openmp_threads`).
     """
     lines = []
     for dtype in KERNEL_DTYPES:
@@ -696,14 +696,16 @@ def measure_auto() -> list[str]:
             continue
         for one_token, kind in ((False, "training"), (True, "decode")):
             record = auto_choice(dtype, one_token)
-            if "error" in record:
-                lines.append(f"model.cpu_matmul='auto', {dtype.name} {kind} products: not timed ({record['error']})")
-                continue
-            ratio, backend = record["xla_s"] / record["onednn_s"], "oneDNN" if record["onednn"] else "XLA"
-            lines.append(
-                f"model.cpu_matmul='auto', {dtype.name} {kind} products: {backend} (oneDNN at {ratio:.2f}x XLA's speed)"
-            )
+            backend = "oneDNN" if record["onednn"] else "XLA"
+            lines.append(f"model.cpu_matmul='auto', {dtype.name} {kind} products: {backend} ({describe(record)})")
     return lines
+
+
+def describe(record: dict) -> str:
+    """What an `auto_choice` record measured, for a log line: the speed ratio, or why it could not be timed."""
+    if "error" in record:
+        return f"oneDNN could not be timed: {record['error']}"
+    return f"oneDNN measured at {record['xla_s'] / record['onednn_s']:.2f}x XLA's speed here"
 
 
 if __name__ == "__main__":

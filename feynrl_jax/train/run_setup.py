@@ -119,11 +119,7 @@ def log_compute(config: ModelConfig) -> str:
         backend = "oneDNN" if onednn.use_onednn(config.cpu_matmul, config.compute_dtype, one_token) else "XLA"
         part = f"{kind} by {backend}"
         if config.cpu_matmul == "auto" and onednn.auto_applies(config.compute_dtype):  # "auto" timed both
-            measured = onednn.auto_choice(jax.numpy.dtype(config.compute_dtype).name, one_token)
-            if "error" in measured:
-                part += f" (oneDNN could not be timed: {measured['error']})"
-            else:
-                part += f" (oneDNN measured at {measured['xla_s'] / measured['onednn_s']:.2f}x XLA's speed here)"
+            part += f" ({onednn.describe(onednn.auto_choice(config.compute_dtype, one_token))})"
         parts.append(part)
     products = "; ".join(parts)
     line = (
