@@ -299,9 +299,22 @@ class ForwardPasses:
     values: Callable[..., jax.Array] | None
 
 
+@functools.cache
+def _as_one_program(fn: Callable[..., Any], static: tuple[str, ...] = ()) -> Callable[..., Any]:
+    """`fn` jitted: the batch's host-side JAX functions (an advantage estimator, GAE, the log-prob diagnostics) run
+    as one program each. Run op by op, their few dozen small operations each compiled on first use, in every
+    trainer process: about 2 s of a run's first step on a 2-core CPU. Estimators are pure JAX functions (the
+    contract of `feynrl_jax.losses.advantages`)."""
+    return jax.jit(fn, static_argnames=static)
+
+
+def _diagnostics(proximal: jax.Array, entropy: jax.Array, batch: TrainBatch) -> dict[str, jax.Array]:
+    return compute_metrics(logprob_diagnostic_metrics(proximal, entropy, batch))
+
+
 def sequence_advantages(algorithm: Algorithm, rollouts: Rollouts, rewards: np.ndarray) -> np.ndarray:
     """`[N, C]` completion-aligned advantages of a sequence-level estimator (GRPO-style groups, RLOO, ...)."""
-    out = algorithm.advantage_fn(
+    out = _as_one_program(algorithm.advantage_fn)(
         jnp.asarray(rewards, jnp.float32), jnp.asarray(rollouts.group_id), jnp.asarray(rollouts.completion_mask)
     )
     return np.asarray(out, np.float32)
@@ -370,13 +383,13 @@ def build_rl_batch(
     ref = None if passes.reference is None else layout.to_rows(passes.reference(*layout.inputs)) * mask
     if proximal is not None:
         # The same metrics the train step reports when its own pass gives pi_old.
-        diagnostics = logprob_diagnostic_metrics(proximal, entropy, dataclasses.replace(batch, ref_logprobs=ref))
-        metrics.update(_host(compute_metrics(diagnostics)))
+        diagnostics = _as_one_program(_diagnostics)(proximal, entropy, dataclasses.replace(batch, ref_logprobs=ref))
+        metrics.update(_host(diagnostics))
     values = returns = None
     if passes.values is not None:
         values = layout.to_rows(passes.values(*layout.inputs)) * mask
         token_rewards = sequence_reward_at_last_token(rewards, rollouts, settings.seq_len)
-        adv, ret = gae(
+        adv, ret = _as_one_program(gae, ("gamma", "lam"))(
             jnp.asarray(token_rewards),
             jnp.asarray(values),
             jnp.asarray(mask),
