@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry
 
 from feynrl_jax.checkpoints.hf_safetensors import CheckpointError
 from feynrl_jax.errors import InputError
@@ -92,22 +93,25 @@ class MissingCheckpoint(InputError, FileNotFoundError):
     """No checkpoint folder, no committed step, or not the requested step; the message names the folder."""
 
 
-_REPLICA_PARALLEL: dict[str, bool] = {}  # the setting of orbax's array handler in this process, once made
+_ONE_PROCESS: dict[str, bool] = {}  # the job kind orbax's array handler was last set for in this process
 
 
-def _arrays_written_by_replicas(parallel: bool) -> None:
-    """Sets how orbax writes a replicated `jax.Array` in this process (see the module docstring): split among its
-    replicas (`parallel`, several processes) or whole from its first replica (one process). Orbax's handler for
-    arrays is one per process; it is replaced only when the setting changes."""
-    if _REPLICA_PARALLEL.get("set") == parallel:
+def _arrays_written_by_replicas(one_process: bool) -> None:
+    """Sets how orbax writes a replicated `jax.Array` in this process (see the module docstring): whole from its
+    first replica in a one-process job, orbax's own default in a job of several (split among the replicas on CPUs
+    and TPUs, not on GPUs). Orbax's handler for arrays is one per process; it is replaced only when the job kind
+    changes."""
+    if _ONE_PROCESS.get("set") == one_process:
         return
-    _REPLICA_PARALLEL["set"] = parallel
-    ocp.type_handlers.register_type_handler(
+    _ONE_PROCESS["set"] = one_process
+    # The registry's own `add`: `register_type_handler` would log a warning about the override in every run.
+    type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
         jax.Array,
         ocp.type_handlers.ArrayHandler(
-            use_replica_parallel=parallel, array_metadata_store=array_metadata_store.Store()
+            use_replica_parallel=False if one_process else None, array_metadata_store=array_metadata_store.Store()
         ),
         override=True,
+        ignore_warnings=True,
     )
 
 
@@ -276,7 +280,7 @@ class TrainCheckpointer:
             enable_async_checkpointing=async_save,
             todelete_subdir=DELETED_SUBDIR,
         )
-        _arrays_written_by_replicas(jax.process_count() > 1)
+        _arrays_written_by_replicas(jax.process_count() == 1)
         self._manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
 
     # -- queries ---------------------------------------------------------------------------------------------
