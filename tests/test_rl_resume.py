@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 import resume_harness as harness
+import rl_run_checks
 
 from feynrl_jax.checkpoints.train_state import TrainCheckpointer, latest_step
 from feynrl_jax.tracking import read_metrics
@@ -119,6 +120,9 @@ def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace, staleness):
     _, err = final.communicate(timeout=900)
     assert final.returncode == 0, err[-3000:]
 
+    # The straight run is also the module's check of what every GRPO run logs (tests/test_rl_algorithms.py runs
+    # the other algorithms).
+    rl_run_checks.assert_loop_records(str(root / straight_name), "grpo")
     want, got = read_metrics(str(root / straight_name)), read_metrics(run_dir)
     assert [r["step"] for r in want] == list(range(1, TOTAL_STEPS + 1))
     assert [r["step"] for r in got] == list(range(1, TOTAL_STEPS + 1))

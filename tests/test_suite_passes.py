@@ -12,21 +12,39 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEST_ID = re.compile(r"^tests(_vllm)?/\S+\.py::\S")
 
 
-def collected(expression: str) -> list[str]:
-    """The test ids `make test`'s pytest would select with `-m expression` (both tiers, as configured)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", expression],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+COLLECT = """
+import sys
+
+import pytest
+
+
+class Passes:
+    def pytest_collection_finish(self, session):
+        for item in session.items:
+            # `-m serial` selects an item that carries the marker itself or through its module or class.
+            print(("serial " if any(True for _ in item.iter_markers(name="serial")) else "first ") + item.nodeid)
+
+
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[Passes()]))
+"""
+
+
+def collected() -> dict[str, list[str]]:
+    """The test ids of each pass of `make test` (both tiers, as configured), from one collection: "serial" for
+    `-m serial`, "first" for `-m "not serial"`."""
+    result = subprocess.run([sys.executable, "-c", COLLECT], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode in (0, 5), result.stdout[-2000:] + result.stderr[-2000:]
-    return [line for line in result.stdout.splitlines() if TEST_ID.match(line)]
+    passes = {"serial": [], "first": []}
+    for line in result.stdout.splitlines():
+        name, _, test = line.partition(" ")
+        if name in passes and TEST_ID.match(test):
+            passes[name].append(test)
+    return passes
 
 
 def test_self_timed_and_short_timeout_tests_run_in_the_serial_pass_and_ray_runs_share_the_cores():
-    serial = collected("serial")
+    passes = collected()
+    serial = passes["serial"]
     modules = {test.partition("::")[0] for test in serial}
     # Marked `serial` as a module or a test.
     assert {
@@ -42,7 +60,7 @@ def test_self_timed_and_short_timeout_tests_run_in_the_serial_pass_and_ray_runs_
     if importlib.util.find_spec("vllm") is not None:  # without vLLM the tier's modules are skipped at import
         assert "tests_vllm/test_rl_vllm.py" in modules
     # Ray and multi-process runs that only wait on generous deadlines share the cores in the first pass.
-    first = collected("not serial")
+    first = passes["first"]
     shared = {test.partition("::")[0] for test in first}
     assert {"tests/test_rl_algorithms.py", "tests/test_rl_resume.py", "tests/test_rl_async.py"} <= shared
     assert len(serial) < len(first)  # the first pass keeps most of the suite
