@@ -1,4 +1,4 @@
-"""Integration: every RL algorithm of the registry runs 2 steps on Ray with a tiny random model, async
+"""Integration: every RL algorithm of the registry but GRPO runs 2 steps on Ray with a tiny random model, async
 (`train.max_staleness=1`: step 1 trains on-policy, step 2 on the batch version 0 generated while step 1 trained,
 with the decoupled objective's truncated importance weights), so each loss runs at lag 0 and at lag 1. Sync
 (`train.max_staleness=0`, no correction) runs for PPO (critic and GAE) and DAPO (dynamic sampling's refills).

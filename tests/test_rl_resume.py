@@ -120,11 +120,10 @@ def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace, staleness):
     _, err = final.communicate(timeout=900)
     assert final.returncode == 0, err[-3000:]
 
-    # The straight run is also the module's check of what every GRPO run logs (tests/test_rl_algorithms.py runs
-    # the other algorithms).
-    rl_run_checks.assert_loop_records(str(root / straight_name), "grpo")
-    want, got = read_metrics(str(root / straight_name)), read_metrics(run_dir)
-    assert [r["step"] for r in want] == list(range(1, TOTAL_STEPS + 1))
+    # The straight run is also the suite's check of what every GRPO run logs, its steps and version lags among
+    # them (tests/test_rl_algorithms.py runs the other algorithms).
+    want = rl_run_checks.assert_loop_records(str(root / straight_name), "grpo")
+    got = read_metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, TOTAL_STEPS + 1))
     for key in (
         "train/loss",
@@ -139,7 +138,6 @@ def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace, staleness):
     # Different prompts and samples every step (a tiny random model never stops early, so lengths do not tell).
     assert len({r["train/entropy"] for r in want}) > 1, "the steps sample different rollouts"
 
-    assert [r["rollout/version_lag_max"] for r in want] == [min(staleness, t - 1) for t in range(1, TOTAL_STEPS + 1)]
     if staleness:
         # The resumed run trained on the batches the checkpoint held in flight, with their weights.
         assert [r["loss/is_weight_mean"] for r in got] == [r["loss/is_weight_mean"] for r in want]

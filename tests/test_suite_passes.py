@@ -22,7 +22,7 @@ class Passes:
     def pytest_collection_finish(self, session):
         for item in session.items:
             # `-m serial` selects an item that carries the marker itself or through its module or class.
-            print(("serial " if any(True for _ in item.iter_markers(name="serial")) else "first ") + item.nodeid)
+            print(("serial " if item.get_closest_marker("serial") else "first ") + item.nodeid)
 
 
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[Passes()]))
