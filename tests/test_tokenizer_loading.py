@@ -1,7 +1,7 @@
 """`load_tokenizer` gives the tokenizer `transformers.AutoTokenizer` gives, and loads the folders `convert_gguf`
-writes (SmolLM2's) without importing PyTorch: through `TokenizersBackend` directly, 2-3 s sooner in every Ray actor
-of a run. Folders it cannot vouch for (another model type, another class, remote code, no `config.json`) go
-through `AutoTokenizer` itself.
+writes (SmolLM2's) and tokenizers saved on their own (no `config.json`, e.g. `data.toy_tokenizer`'s) without
+importing PyTorch: through `TokenizersBackend` directly, 2-5 s sooner in every process that loads one. Folders it
+cannot vouch for (another model type, another class, remote code) go through `AutoTokenizer` itself.
 """
 
 from __future__ import annotations
@@ -66,19 +66,40 @@ def smollm2_folder():
     return smollm2_checkpoint_dir()
 
 
+@pytest.fixture(scope="module")
+def toy_folder(tmp_path_factory):
+    """A tokenizer saved on its own (`save_pretrained`, no `config.json`), as the tests' CLI runs use."""
+    from feynrl_jax.data.toy_tokenizer import build_toy_tokenizer
+
+    folder = str(tmp_path_factory.mktemp("toy_tokenizer"))
+    build_toy_tokenizer([t for t in TEXTS if t] + ["What is 2 plus 3? 2 plus 3 is 5."], vocab_size=300).save_pretrained(
+        folder
+    )
+    assert not os.path.exists(os.path.join(folder, "config.json"))
+    return folder
+
+
 def test_smollm2_tokenizer_is_the_one_autotokenizer_loads(smollm2_folder):
     assert loads_as_plain_backend(smollm2_folder)
     auto = transformers.AutoTokenizer.from_pretrained(smollm2_folder, local_files_only=True)
     assert_same_tokenizer(load_tokenizer(smollm2_folder), auto)
 
 
-def test_loading_smollm2_tokenizer_does_not_import_torch(smollm2_folder):
+def test_a_tokenizer_saved_on_its_own_is_the_one_autotokenizer_loads(toy_folder):
+    assert loads_as_plain_backend(toy_folder)
+    auto = transformers.AutoTokenizer.from_pretrained(toy_folder, local_files_only=True)
+    assert_same_tokenizer(load_tokenizer(toy_folder), auto)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "toy"])
+def test_loading_a_tokenizer_does_not_import_torch(request, which):
     if importlib.util.find_spec("torch") is None:  # (not imported here: this process need not load it)
         pytest.skip("PyTorch is not installed, so nothing could import it")
+    folder = request.getfixturevalue(f"{which}_folder")
     code = (
         "import sys\n"
         "from feynrl_jax.checkpoints import load_tokenizer\n"
-        f"tokenizer = load_tokenizer({smollm2_folder!r})\n"
+        f"tokenizer = load_tokenizer({folder!r})\n"
         "assert tokenizer('2 + 3')['input_ids'], 'no tokens'\n"
         "print('torch' in sys.modules)\n"
     )
@@ -109,14 +130,28 @@ def _edited_copy(src: str, dst, change: str) -> str:
         json.dump(model_config, f)
     if change == "no config.json":
         os.remove(os.path.join(folder, "config.json"))
+    elif change == "unreadable config.json":  # AutoTokenizer reports the broken file; the fast path must not hide it
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            f.write("{not json")
     return folder
 
 
-@pytest.mark.parametrize("change", ["qwen2 model type", "generic fast class", "no config.json", "remote code"])
+def test_smollm2_tokenizer_without_its_model_config_is_the_one_autotokenizer_loads(smollm2_folder, tmp_path):
+    folder = _edited_copy(smollm2_folder, tmp_path, "no config.json")
+    assert loads_as_plain_backend(folder)
+    auto = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert_same_tokenizer(load_tokenizer(folder), auto)
+
+
+@pytest.mark.parametrize("change", ["qwen2 model type", "generic fast class", "remote code", "unreadable config.json"])
 def test_other_folders_are_left_to_autotokenizer(smollm2_folder, tmp_path, change):
     folder = _edited_copy(smollm2_folder, tmp_path, change)
     assert not loads_as_plain_backend(folder)
     if change == "remote code":  # AutoTokenizer would ask to trust the code: nothing more to compare
+        return
+    if change == "unreadable config.json":  # the error names the file, as AutoTokenizer's does
+        with pytest.raises(OSError, match="config.json"):
+            load_tokenizer(folder)
         return
     auto = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if change == "qwen2 model type":

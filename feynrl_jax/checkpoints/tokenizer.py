@@ -10,27 +10,34 @@ TOKENIZER_MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Model types for which `AutoTokenizer` loads a folder whose `tokenizer_config.json` names `TokenizersBackend` as
 # that class itself (the model type's own class is not forced over the folder's; transformers 5.x). Such a folder
 # is loaded through the class directly: `transformers.AutoTokenizer` imports PyTorch where it is installed, 2-3 s
-# in every process that loads a tokenizer (each Ray actor of a run), and the class alone does not.
+# in every process that loads a tokenizer (each Ray actor of a run; 5 s for a tokenizer alone on the 2-core
+# machine), and the class alone does not. A folder without `config.json` (a tokenizer saved on its own, such as
+# `data.toy_tokenizer`'s) has no model type for `AutoTokenizer` to go by, so it takes the named class too.
 # tests/test_tokenizer_loading.py checks that both give the same tokenizer.
 PLAIN_BACKEND_MODEL_TYPES = ("llama",)
 
 
 def loads_as_plain_backend(folder: str) -> bool:
     """True where `AutoTokenizer` would load `folder` as `TokenizersBackend` itself: a `tokenizer.json`, a
-    `tokenizer_config.json` naming that class and no remote code, and a `config.json` of a model type in
-    `PLAIN_BACKEND_MODEL_TYPES`. Any file missing or unreadable answers False (`AutoTokenizer` then decides)."""
+    `tokenizer_config.json` naming that class and no remote code, and either no `config.json` or one of a model type
+    in `PLAIN_BACKEND_MODEL_TYPES`. A file that is there but unreadable answers False (`AutoTokenizer` then
+    decides)."""
     try:
         with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
             tokenizer_config = json.load(f)
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
+        config_path = os.path.join(folder, "config.json")
+        if os.path.exists(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                plain_model_type = json.load(f).get("model_type") in PLAIN_BACKEND_MODEL_TYPES
+        else:
+            plain_model_type = True
     except (OSError, ValueError, AttributeError):
         return False
     return (
         isinstance(tokenizer_config, dict)
         and tokenizer_config.get("tokenizer_class") == "TokenizersBackend"
         and "auto_map" not in tokenizer_config
-        and model_type in PLAIN_BACKEND_MODEL_TYPES
+        and plain_model_type
         and os.path.isfile(os.path.join(folder, "tokenizer.json"))
     )
 
