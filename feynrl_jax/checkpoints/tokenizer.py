@@ -20,8 +20,8 @@ PLAIN_BACKEND_MODEL_TYPES = ("llama",)
 def loads_as_plain_backend(folder: str) -> bool:
     """True where `AutoTokenizer` would load `folder` as `TokenizersBackend` itself: a `tokenizer.json`, a
     `tokenizer_config.json` naming that class and no remote code, and either no `config.json` or one of a model type
-    in `PLAIN_BACKEND_MODEL_TYPES`. A file that is there but unreadable answers False (`AutoTokenizer` then
-    decides)."""
+    in `PLAIN_BACKEND_MODEL_TYPES`. A `config.json` or `tokenizer_config.json` that is there but cannot be read as
+    a JSON object answers False (`AutoTokenizer` then decides)."""
     try:
         with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
             tokenizer_config = json.load(f)
