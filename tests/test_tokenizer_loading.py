@@ -81,16 +81,18 @@ def toy_folder(tmp_path_factory):
     return folder
 
 
-def test_smollm2_tokenizer_is_the_one_autotokenizer_loads(smollm2_folder):
-    assert loads_as_plain_backend(smollm2_folder)
-    auto = transformers.AutoTokenizer.from_pretrained(smollm2_folder, local_files_only=True)
-    assert_same_tokenizer(load_tokenizer(smollm2_folder), auto)
+@pytest.fixture(scope="module")
+def smollm2_without_config_folder(smollm2_folder, tmp_path_factory):
+    """SmolLM2's tokenizer files without the model's `config.json`."""
+    return _edited_copy(smollm2_folder, tmp_path_factory.mktemp("edited"), "no config.json")
 
 
-def test_a_tokenizer_saved_on_its_own_is_the_one_autotokenizer_loads(toy_folder):
-    assert loads_as_plain_backend(toy_folder)
-    auto = transformers.AutoTokenizer.from_pretrained(toy_folder, local_files_only=True)
-    assert_same_tokenizer(load_tokenizer(toy_folder), auto)
+@pytest.mark.parametrize("which", ["smollm2", "toy", "smollm2_without_config"])
+def test_the_folders_loaded_directly_give_the_tokenizer_autotokenizer_loads(request, which):
+    folder = request.getfixturevalue(f"{which}_folder")
+    assert loads_as_plain_backend(folder)
+    auto = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert_same_tokenizer(load_tokenizer(folder), auto)
 
 
 @pytest.mark.parametrize("which", ["smollm2", "toy"])
@@ -136,13 +138,6 @@ def _edited_copy(src: str, dst, change: str) -> str:
         with open(os.path.join(folder, "config.json"), "w") as f:
             f.write("{not json")
     return folder
-
-
-def test_smollm2_tokenizer_without_its_model_config_is_the_one_autotokenizer_loads(smollm2_folder, tmp_path):
-    folder = _edited_copy(smollm2_folder, tmp_path, "no config.json")
-    assert loads_as_plain_backend(folder)
-    auto = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    assert_same_tokenizer(load_tokenizer(folder), auto)
 
 
 @pytest.mark.parametrize("change", ["qwen2 model type", "generic fast class", "remote code", "unreadable config.json"])
