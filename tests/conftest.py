@@ -43,11 +43,23 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 import pytest  # noqa: E402
 
+RAY_ACTOR_DEVICES = 2
+"""Fake CPU devices of the actors that `ray_session` and `ray_actor_devices` start. The trainer still trains on a
+mesh (data 2), so the loop's sharded paths run; 8 devices' collectives on a 2-core machine made each train step of
+the tiny RL config 3-4x slower (2.9-4.5 s against 0.6-1.2 s) for nothing these tests check. The RL runs on 8
+devices: tests/test_rl_resume.py (exact resume) and tests/test_rl_multiprocess.py (2 processes x 4)."""
+
+
+def with_fake_devices(xla_flags: str, count: int) -> str:
+    """`xla_flags` asking for `count` fake CPU devices instead of the number it asks for (or the default)."""
+    kept = [f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count=")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])
+
 
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray instance (2 CPUs, the tiny RL config's `ray` settings) for one test module; its actors inherit the
-    session's persistent compilation cache (above)."""
+    session's persistent compilation cache (above) and see `RAY_ACTOR_DEVICES` fake CPU devices."""
     import sys
 
     from feynrl_jax.orchestration.runtime import start_ray, stop_ray
@@ -55,9 +67,18 @@ def ray_session():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
     import tiny_rl
 
-    assert start_ray(tiny_rl.get_config().ray)
+    # Ray's processes take the environment of the `ray.init` that starts them.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XLA_FLAGS", with_fake_devices(os.environ["XLA_FLAGS"], RAY_ACTOR_DEVICES))
+        assert start_ray(tiny_rl.get_config().ray)
     yield
     stop_ray()
+
+
+@pytest.fixture
+def ray_actor_devices(monkeypatch):
+    """For a test whose run starts Ray itself: the actors see `RAY_ACTOR_DEVICES` fake CPU devices."""
+    monkeypatch.setenv("XLA_FLAGS", with_fake_devices(os.environ["XLA_FLAGS"], RAY_ACTOR_DEVICES))
 
 
 @pytest.fixture

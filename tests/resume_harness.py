@@ -23,9 +23,10 @@ from feynrl_jax.checkpoints.train_state import TrainCheckpointer, latest_step
 from feynrl_jax.tracking import read_metrics
 
 
-def subprocess_env(root: os.PathLike, *, devices: int, **extra: str) -> dict[str, str]:
-    """The environment of every run of one test: CPU, `devices` fake devices, offline, and a persistent
-    compilation cache shared by the runs (the same compiled programs either way; it only saves time)."""
+def subprocess_env(*, devices: int, **extra: str) -> dict[str, str]:
+    """The environment of every run of one test: CPU, `devices` fake devices, offline, and the session's persistent
+    compilation cache (tests/conftest.py), so a program another run compiled is loaded (the same executable
+    either way; it only saves time)."""
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
@@ -33,9 +34,6 @@ def subprocess_env(root: os.PathLike, *, devices: int, **extra: str) -> dict[str
         HF_HUB_OFFLINE="1",
         WANDB_MODE="offline",
         RAY_AUTH_MODE="disabled",
-        JAX_COMPILATION_CACHE_DIR=str(os.path.join(root, "jax_cache")),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
     env.update(extra)
     return env

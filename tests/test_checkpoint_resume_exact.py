@@ -75,7 +75,7 @@ def workspace(tmp_path_factory):
         root / "tokenizer"
     )
     (root / "tiny_sft.py").write_text(CONFIG)
-    return root, harness.subprocess_env(root, devices=4, TINY_ROOT=str(root))
+    return root, harness.subprocess_env(devices=4, TINY_ROOT=str(root))
 
 
 @pytest.mark.slow

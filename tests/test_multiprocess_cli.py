@@ -131,7 +131,7 @@ def start_job(
             launch = dict(
                 FEYNRL_COORDINATOR_ADDRESS=address, FEYNRL_NUM_PROCESSES=str(processes), FEYNRL_PROCESS_ID=str(rank)
             )
-        env = harness.subprocess_env(root, devices=8 // processes, TINY_ROOT=str(root), **launch)
+        env = harness.subprocess_env(devices=8 // processes, TINY_ROOT=str(root), **launch)
         argv = [sys.executable, "-m", "feynrl_jax.cli.main", command, f"--config={root / 'tiny.py'}:{spec}"]
         if resume:
             argv.append("--resume")

@@ -10,6 +10,7 @@ worker actors with native engines, the reward actor, the trainer actor, the para
 compilation cache shared by the actors keeps the module fast; it does not weaken any check.
 """
 
+import logging
 import os
 import sys
 
@@ -40,8 +41,10 @@ RUNS = [(algo, 1) for algo in RL_ALGORITHMS if algo != "grpo"] + [("ppo", 0), ("
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize(("algo", "staleness"), RUNS, ids=[f"{a}-{'async' if k else 'sync'}" for a, k in RUNS])
-def test_two_steps_of_every_rl_algorithm(ray_session, tmp_path, algo, staleness):
+def test_two_steps_of_every_rl_algorithm(ray_session, tmp_path, caplog, algo, staleness):
     from feynrl_jax.orchestration import rl_loop
+
+    caplog.set_level(logging.INFO, logger=rl_loop.__name__)
 
     config = tiny_config(algo, str(tmp_path / algo))
     config.train.max_staleness = staleness
@@ -49,6 +52,8 @@ def test_two_steps_of_every_rl_algorithm(ray_session, tmp_path, algo, staleness)
         config.algo.dynamic_sampling = True
         config.algo.max_refill_draws = 1
     rl_loop.run(config)
+    # The trainer actor trains on the fake devices `ray_session` gives the actors (conftest.RAY_ACTOR_DEVICES).
+    assert "trainer: mesh {'data': 2, 'fsdp': 1, 'tensor': 1} over 2 devices in 1 process(es)" in caplog.text
     records = rl_run_checks.assert_loop_records(config.run_dir, algo)
     if algo == "dapo":
         # A random model's rewards rarely differ inside a group: constant groups are dropped and one refill drawn.

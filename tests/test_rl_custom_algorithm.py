@@ -5,6 +5,7 @@ so the trainer actor imports it too. The loss reports the hyperparameter it was 
 reaching `metrics.jsonl` shows that the trainer actor ran this function with the config's `algo.hparams`.
 """
 
+import logging
 import os
 import sys
 import textwrap
@@ -45,8 +46,10 @@ MODULE = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_rl_run_with_a_module_function_loss(tmp_path, monkeypatch, algorithm_registry):
+def test_rl_run_with_a_module_function_loss(tmp_path, monkeypatch, caplog, algorithm_registry, ray_actor_devices):
     from feynrl_jax.orchestration import rl_loop
+
+    caplog.set_level(logging.INFO, logger=rl_loop.__name__)
 
     work = tmp_path / "work"
     work.mkdir()
@@ -65,6 +68,7 @@ def test_rl_run_with_a_module_function_loss(tmp_path, monkeypatch, algorithm_reg
         rl_loop.run(config)
     finally:
         sys.modules.pop("my_losses", None)
+    assert "over 2 devices in 1 process(es)" in caplog.text  # the Ray it started took conftest.RAY_ACTOR_DEVICES
     records = read_metrics(config.run_dir)
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
