@@ -25,8 +25,9 @@ from feynrl_jax.tracking import read_metrics
 
 def subprocess_env(*, devices: int, **extra: str) -> dict[str, str]:
     """The environment of every run of one test: CPU, `devices` fake devices, offline, and the session's persistent
-    compilation cache (tests/conftest.py), so a program another run compiled is loaded (the same executable
-    either way; it only saves time)."""
+    compilation cache (tests/conftest.py), every program written to it (a minimum compile time of 0: these runs
+    start many processes that build the same small programs), so a program another run compiled is loaded: the same
+    executable either way; it only saves time."""
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
@@ -34,6 +35,7 @@ def subprocess_env(*, devices: int, **extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         WANDB_MODE="offline",
         RAY_AUTH_MODE="disabled",
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     env.update(extra)
     return env

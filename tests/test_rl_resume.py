@@ -69,6 +69,7 @@ def workspace(tmp_path_factory):
         HF_HUB_OFFLINE="1",
         WANDB_MODE="offline",
         RAY_AUTH_MODE="disabled",
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",  # the session's cache (conftest), every program written
     )
     return root, env
 
