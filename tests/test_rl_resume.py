@@ -12,8 +12,6 @@ resumed run regenerates the same rollouts.
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -58,28 +56,19 @@ CONFIG = textwrap.dedent(
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl_resume")
     (root / "resume_rl.py").write_text(CONFIG)
-    env = dict(os.environ)
-    env.update(
-        RESUME_ROOT=str(root),
-        TINY_RL_CONFIG=os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_rl.py"),
-        JAX_PLATFORMS="cpu",
+    env = harness.subprocess_env(
         # As the actors of the in-process RL tests (conftest.RAY_ACTOR_DEVICES): still a mesh (data 2), at a
         # fraction of 8 devices' cost on a 2-core machine.
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        HF_HUB_OFFLINE="1",
-        WANDB_MODE="offline",
-        RAY_AUTH_MODE="disabled",
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",  # the session's cache (conftest), every program written
+        devices=2,
+        RESUME_ROOT=str(root),
+        TINY_RL_CONFIG=os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_rl.py"),
     )
     return root, env
 
 
 def _train(root, env, run_name):
-    command = [sys.executable, "-m", "feynrl_jax.cli.main", "train", f"--config={root / 'resume_rl.py'}:{run_name}"]
     # A session of its own: SIGKILL to the group takes down the driver, Ray's processes and every actor at once.
-    return subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    return harness.start_train(f"{root / 'resume_rl.py'}:{run_name}", env, new_session=True)
 
 
 def _final_policy(run_dir):
