@@ -11,6 +11,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+# The XLA flags `feynrl-jax` itself sets with several CPU devices (`feynrl_jax/cli/xla_flags.py`: collectives in
+# program order, no deadlock with more devices than cores), here for this process and every process it starts: the
+# in-process runs and their Ray actors then compile exactly the programs of the CLI runs, and the flags are part of
+# the persistent cache's key, so each program is compiled once per session, not once per kind of run.
+from feynrl_jax.cli.xla_flags import set_cpu_collective_flags  # noqa: E402
+
+set_cpu_collective_flags(os.environ)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -276,3 +276,32 @@ def test_workers_exit_when_the_parent_is_killed():
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
+
+
+_REASONING_GYM_SCRIPT = """
+import json, sys
+from feynrl_jax.rollout.rewards import RewardScorer
+entry = json.loads(sys.argv[1])
+completions = [f"<answer>{{entry['answer']}}</answer>", "<answer>not it</answer>"]
+with RewardScorer({{"reasoning_gym": 1.0}}, timeout_s={timeout_s}, num_workers=1) as scorer:
+    built = "reasoning_gym" in sys.modules
+    rewards, _, metrics = scorer.score(["q", "q"], completions, [entry, entry])
+print(json.dumps(dict(built=built, scored="reasoning_gym" in sys.modules, rewards=rewards.tolist(),
+                      timeouts=metrics["rollout/reward/reasoning_gym/timeouts"])))
+"""
+
+
+def test_reasoning_gym_is_imported_by_the_workers_while_they_start_not_by_the_scorers_process():
+    import json
+
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=0)[0]
+    # Importing reasoning-gym takes 2-3 s (more on a busy machine): were it imported at the first call, that call
+    # would overrun a 1 s timeout and score 0; a worker that imported it while starting scores in milliseconds.
+    script = _REASONING_GYM_SCRIPT.format(timeout_s=TIMEOUT_S)
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(entry)], capture_output=True, text=True, timeout=300, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"built": False, "scored": False, "rewards": [1.0, 0.0], "timeouts": 0}, out.stderr[-2000:]

@@ -10,6 +10,9 @@ Why processes, and why not ``multiprocessing.Pool`` or ``concurrent.futures``:
   replacement, and hands the rest of its chunk to the other workers.
 - Workers are started with the ``spawn`` method (``forkserver`` also works): the parent has imported JAX, whose
   threads make ``fork`` unsafe.
+- A reward whose module imports a slow library at its first call (so that the process that builds the pool never
+  imports it) names that library in a ``worker_imports`` attribute (a tuple of module names); each worker imports
+  those modules during its start-up, bounded by ``start_timeout_s``, so the per-call timeout never pays for them.
 
 Protocol: a worker receives a chunk (a list of ``(row, reward_index)`` calls plus the rows' data), runs the calls
 in order and sends one message per finished call. The parent's deadline for a busy worker is the time of its last
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import importlib
 import logging
 import math
 import multiprocessing
@@ -73,12 +78,23 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}"[:500]
 
 
+def worker_imports(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The modules a reward asks its worker to import at start-up: the ``worker_imports`` attribute of the function
+    (of the one a ``functools.partial`` wraps), empty when it has none."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return tuple(getattr(fn, "worker_imports", ()))
+
+
 def _worker_main(conn: multiprocessing.connection.Connection, payload: bytes) -> None:
     """Entry point of a worker process: unpickle the rewards, then serve chunks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     try:
         functions = pickle.loads(payload)
+        for fn in functions:
+            for module in worker_imports(fn):
+                importlib.import_module(module)
     except BaseException:  # Anything that breaks start-up is reported to the parent.
         conn.send(("init_error", traceback.format_exc()))
         return

@@ -5,6 +5,10 @@ that generated it (also inside composite datasets). Each task scores an answer w
 entry)`` (exact, partial or numeric-tolerance credit, in [0, 1]); this reward extracts the completion's answer
 (last ``<answer>`` block, else its last non-empty line) and applies the scorer of the entry's own task, obtained
 from ``reasoning_gym.get_score_answer_fn(source_dataset)``.
+
+reasoning-gym is imported where the reward runs, not where this module is: importing it takes 2-3 s (all its tasks,
+with matplotlib and SymPy among their dependencies), and the process that builds a scorer only resolves and pickles
+this function for its worker processes. ``worker_imports`` has those workers import it while they start.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import reasoning_gym
-
 from feynrl_jax.rollout.rewards.answer_extraction import last_nonempty_line, last_tag_content
 
 
 @functools.cache
 def _score_fn(source_dataset: str) -> Callable[[str | None, dict[str, Any]], float]:
     """The task's ``score_answer`` (cached: building the dataset object can be slow for some tasks)."""
+    import reasoning_gym
+
     return reasoning_gym.get_score_answer_fn(source_dataset)
 
 
@@ -79,3 +83,6 @@ def reasoning_gym_reward(
     }
     answer = extract_reasoning_gym_answer(completion, answer_tag=answer_tag)
     return float(_score_fn(metadata["source_dataset"])(answer, entry))
+
+
+reasoning_gym_reward.worker_imports = ("reasoning_gym",)  # see process_pool: imported at a worker's start-up
