@@ -11,10 +11,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
-# The XLA flags `feynrl-jax` itself sets with several CPU devices (`feynrl_jax/cli/xla_flags.py`: collectives in
-# program order, no deadlock with more devices than cores), here for this process and every process it starts: the
-# in-process runs and their Ray actors then compile exactly the programs of the CLI runs, and the flags are part of
-# the persistent cache's key, so each program is compiled once per session, not once per kind of run.
+# The XLA flag `feynrl-jax` itself sets with several CPU devices (`feynrl_jax/cli/xla_flags.py`: collectives in
+# program order, no deadlock with more devices than cores), here for this process and the processes it starts with
+# its environment (a test that sets XLA_FLAGS for a subprocess sets its own). The in-process runs and their Ray
+# actors then compile exactly the programs of the CLI runs, and XLA_FLAGS is part of the persistent cache's key, so
+# each program is compiled once per session, not once per kind of run.
 from feynrl_jax.cli.xla_flags import set_cpu_collective_flags  # noqa: E402
 
 set_cpu_collective_flags(os.environ)

@@ -94,7 +94,8 @@ def workspace(tmp_path_factory):
 
 
 def script_env(**extra: str) -> dict[str, str]:
-    """This process's environment without the fake-device flags conftest.py set: each script chooses its own."""
+    """This process's environment without the XLA flags conftest.py set (fake devices, the CLI's scheduler flag):
+    each script chooses its devices, and `feynrl-jax` adds the scheduler flag itself."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(extra)
     return env

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from feynrl_jax.errors import InputError
-from feynrl_jax.rollout.rewards import RewardError, RewardScorer, TimeoutProcessPool
+from feynrl_jax.rollout.rewards import RewardError, RewardScorer, TimeoutProcessPool, WeightedSum, bind_reward
+from feynrl_jax.rollout.rewards.process_pool import worker_imports
 
 # The pool's timeouts are checked against the wall clock, to a few seconds: nothing runs beside these tests.
 pytestmark = pytest.mark.serial
@@ -296,12 +297,25 @@ def test_reasoning_gym_is_imported_by_the_workers_while_they_start_not_by_the_sc
 
     import reasoning_gym
 
+    assert worker_imports(bind_reward("reasoning_gym", {"answer_tag": "answer"})) == ("reasoning_gym",)
+    assert WeightedSum({"reasoning_gym": 1.0, "gsm8k": 0.5}).worker_imports == ("reasoning_gym",)
     entry = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=0)[0]
     # Importing reasoning-gym takes 2-3 s (more on a busy machine): were it imported at the first call, that call
     # would overrun a 1 s timeout and score 0; a worker that imported it while starting scores in milliseconds.
     script = _REASONING_GYM_SCRIPT.format(timeout_s=TIMEOUT_S)
-    out = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(entry)], capture_output=True, text=True, timeout=300, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(entry)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"built": False, "scored": False, "rewards": [1.0, 0.0], "timeouts": 0}, out.stderr[-2000:]
+
+
+def needs_a_missing_module(prompt, completion, example):
+    return 1.0
+
+
+needs_a_missing_module.worker_imports = ("feynrl_jax_no_such_module",)
+
+
+def test_a_reward_needing_a_module_that_is_not_installed_is_refused_when_the_pool_is_built():
+    with pytest.raises(ValueError, match="needs module 'feynrl_jax_no_such_module', which is not installed"):
+        TimeoutProcessPool([needs_a_missing_module], num_workers=1, timeout_s=1.0)

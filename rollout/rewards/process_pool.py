@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import logging
 import math
 import multiprocessing
@@ -79,8 +80,15 @@ def _describe(error: BaseException) -> str:
 
 
 def worker_imports(fn: Callable[..., Any]) -> tuple[str, ...]:
-    """The modules a reward asks its worker to import at start-up: the ``worker_imports`` attribute of the function
-    (of the one a ``functools.partial`` wraps), empty when it has none."""
+    """The modules a reward asks its worker to import at start-up.
+
+    Args:
+      fn: a reward: a function, a ``functools.partial`` of one, or any callable object.
+
+    Returns:
+      The ``worker_imports`` attribute of ``fn`` (of the function a partial wraps, however deeply), as a tuple;
+      empty when it has none.
+    """
     while isinstance(fn, functools.partial):
         fn = fn.func
     return tuple(getattr(fn, "worker_imports", ()))
@@ -200,7 +208,7 @@ class TimeoutProcessPool:
           max_chunk: the most calls sent to a worker at once.
 
         Raises:
-          ValueError: on a bad argument.
+          ValueError: on a bad argument, or a module a reward names in ``worker_imports`` that is not installed.
           TypeError: when a reward cannot be pickled (naming it).
         """
         if num_workers < 1:
@@ -210,6 +218,9 @@ class TimeoutProcessPool:
         if mp_context not in ("spawn", "forkserver"):
             raise ValueError(f"mp_context must be 'spawn' or 'forkserver', got {mp_context!r}")
         for index, fn in enumerate(functions):
+            for module in worker_imports(fn):  # the workers import it; a missing one fails here, not at a first call
+                if importlib.util.find_spec(module) is None:
+                    raise ValueError(f"reward #{index} {fn!r} needs module {module!r}, which is not installed")
             try:
                 pickle.dumps(fn)
             except Exception as e:

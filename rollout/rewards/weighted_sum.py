@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from feynrl_jax.rollout.rewards.process_pool import worker_imports as imports_of
 from feynrl_jax.rollout.rewards.registry import RewardFn, resolve_reward
 
 
@@ -57,6 +58,11 @@ class WeightedSum:
                 raise ValueError(f"weight of reward {name!r} must be finite, got {weight!r}")
             self.weights[name] = float(weight)
             self.rewards[name] = bind_reward(name, reward_kwargs.get(name))
+
+    @property
+    def worker_imports(self) -> tuple[str, ...]:
+        """The modules its rewards ask a worker process to import at start-up (``process_pool``)."""
+        return tuple(dict.fromkeys(m for fn in self.rewards.values() for m in imports_of(fn)))
 
     def __call__(self, prompt: str, completion: str, example: dict[str, Any]) -> float:
         """Returns the weighted sum of every reward on this item."""
