@@ -309,13 +309,36 @@ def test_reasoning_gym_is_imported_by_the_workers_while_they_start_not_by_the_sc
     assert result == {"built": False, "scored": False, "rewards": [1.0, 0.0], "timeouts": 0}, out.stderr[-2000:]
 
 
+def wave_was_imported(prompt, completion, example):
+    """1 when the worker process had imported the standard library's `wave` (which nothing here imports) before
+    the call, else 0."""
+    return float("wave" in sys.modules)
+
+
+def wave_imported_at_start(prompt, completion, example):
+    return wave_was_imported(prompt, completion, example)
+
+
+wave_imported_at_start.worker_imports = ("wave",)
+
+
+def test_a_workers_start_up_imports_the_modules_its_rewards_name():
+    assert "wave" not in sys.modules
+    for reward, imported in ((wave_was_imported, 0.0), (wave_imported_at_start, 1.0)):
+        with TimeoutProcessPool([reward], num_workers=1, timeout_s=TIMEOUT_S) as pool:
+            assert pool.map([("p", "c", {})]).values.tolist() == [[imported]], reward
+    assert "wave" not in sys.modules  # the process that built the pools did not import it
+
+
 def needs_a_missing_module(prompt, completion, example):
     return 1.0
 
 
-needs_a_missing_module.worker_imports = ("feynrl_jax_no_such_module",)
-
-
-def test_a_reward_needing_a_module_that_is_not_installed_is_refused_when_the_pool_is_built():
-    with pytest.raises(ValueError, match="needs module 'feynrl_jax_no_such_module', which is not installed"):
+@pytest.mark.parametrize("module", ["feynrl_jax_no_such_module", "feynrl_jax_no_such_package.sub"])
+def test_a_reward_needing_a_module_that_is_not_installed_is_refused_when_the_pool_is_built(monkeypatch, module):
+    monkeypatch.setattr(needs_a_missing_module, "worker_imports", (module,), raising=False)
+    with pytest.raises(ValueError, match=f"needs module '{module}', which is not installed"):
+        TimeoutProcessPool([needs_a_missing_module], num_workers=1, timeout_s=1.0)
+    monkeypatch.setattr(needs_a_missing_module, "worker_imports", module)
+    with pytest.raises(TypeError, match="must be a tuple of module names"):
         TimeoutProcessPool([needs_a_missing_module], num_workers=1, timeout_s=1.0)

@@ -88,10 +88,24 @@ def worker_imports(fn: Callable[..., Any]) -> tuple[str, ...]:
     Returns:
       The ``worker_imports`` attribute of ``fn`` (of the function a partial wraps, however deeply), as a tuple;
       empty when it has none.
+
+    Raises:
+      TypeError: when the attribute is a single string, not a collection of module names.
     """
     while isinstance(fn, functools.partial):
         fn = fn.func
-    return tuple(getattr(fn, "worker_imports", ()))
+    names = getattr(fn, "worker_imports", ())
+    if isinstance(names, str):
+        raise TypeError(f"worker_imports of reward {fn!r} must be a tuple of module names, got the string {names!r}")
+    return tuple(names)
+
+
+def _installed(module: str) -> bool:
+    """Whether the top-level package of ``module`` can be imported; nothing is imported to find out."""
+    try:
+        return importlib.util.find_spec(module.partition(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, payload: bytes) -> None:
@@ -208,8 +222,9 @@ class TimeoutProcessPool:
           max_chunk: the most calls sent to a worker at once.
 
         Raises:
-          ValueError: on a bad argument, or a module a reward names in ``worker_imports`` that is not installed.
-          TypeError: when a reward cannot be pickled (naming it).
+          ValueError: on a bad argument, or a module a reward names in ``worker_imports`` whose top-level package is
+            not installed (a missing submodule of an installed package fails the worker's start-up instead).
+          TypeError: when a reward cannot be pickled (naming it), or names its ``worker_imports`` as one string.
         """
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -219,7 +234,7 @@ class TimeoutProcessPool:
             raise ValueError(f"mp_context must be 'spawn' or 'forkserver', got {mp_context!r}")
         for index, fn in enumerate(functions):
             for module in worker_imports(fn):  # the workers import it; a missing one fails here, not at a first call
-                if importlib.util.find_spec(module) is None:
+                if not _installed(module):
                     raise ValueError(f"reward #{index} {fn!r} needs module {module!r}, which is not installed")
             try:
                 pickle.dumps(fn)
