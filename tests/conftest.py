@@ -58,8 +58,8 @@ mesh (data 2), so the loop's sharded paths run; 8 devices' collectives on a 2-co
 the tiny RL config 3-4x slower (2.9-4.5 s against 0.6-1.2 s) for nothing these tests check. The driver (this
 process, 8 devices) still validates the config against its own count, so a test that sets a mesh needing more
 than 2 devices passes that check and fails in the trainer actor. The RL runs on 8 devices are
-tests/test_rl_multiprocess.py's (1 process x 8 against 2 processes x 4) and the vLLM tier's
-(tests_vllm/test_rl_vllm.py)."""
+tests/test_rl_multiprocess.py's (1 process x 8 against 2 processes x 4); the vLLM tier's RL runs
+(tests_vllm/test_rl_vllm.py) give their actors 2 as well."""
 
 
 def with_fake_devices(xla_flags: str, count: int) -> str:

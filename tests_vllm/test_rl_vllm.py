@@ -15,6 +15,7 @@ tensor, shows at once: the trainer's recomputed log-probabilities of the sampled
 """
 
 import json
+import logging
 import os
 import sys
 
@@ -58,20 +59,31 @@ def hf_bytes(config) -> int:
     return 4 * (vocab * d + layers * per_layer + d + lm_head)
 
 
+TRAINER_DEVICES = 2
+"""Fake CPU devices of the actors (the trainer's mesh: data 2), as tests/conftest.py's RAY_ACTOR_DEVICES gives the
+Ray RL runs of tests/: 8 devices' collectives on 2 cores slow every train step 3-4x for nothing these runs check."""
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     from feynrl_jax.orchestration.runtime import start_ray, stop_ray
 
-    assert start_ray(tiny_rl.get_config().ray)
+    # Ray's processes take the environment of the `ray.init` that starts them; `JAX_NUM_CPU_DEVICES` overrides the
+    # fake-device count that tests/conftest.py puts in XLA_FLAGS (this process keeps its own).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_NUM_CPU_DEVICES", str(TRAINER_DEVICES))
+        assert start_ray(tiny_rl.get_config().ray)
     yield
     stop_ray()
 
 
-def test_sync_run_on_vllm(ray_session, tmp_path):
+def test_sync_run_on_vllm(ray_session, tmp_path, caplog):
     from feynrl_jax.orchestration import rl_loop
 
+    caplog.set_level(logging.INFO, logger=rl_loop.__name__)
     config = vllm_config(tmp_path / "sync", evaluate=True)
     last = rl_loop.run(config)
+    assert "trainer: mesh {'data': 2, 'fsdp': 1, 'tensor': 1} over 2 devices in 1 process(es)" in caplog.text
     records = [r for r in read_metrics(config.run_dir) if r["step"] >= 1]
     assert [r["step"] for r in records] == [1, 2, 3]
     # Step 1 samples version 0, which either its own generation or the evaluation at step 0 loads first (they run
