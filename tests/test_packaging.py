@@ -58,3 +58,21 @@ def test_no_test_or_config_folder_is_a_package():
     # configs/ are loaded by path and tests/ by pytest; an __init__.py there would shadow installed names.
     for folder in ("configs", "tests", "benchmarks", "launch"):
         assert not (ROOT / folder / "__init__.py").exists(), folder
+
+
+def test_the_environment_holds_the_versions_of_constraints_txt():
+    """`make setup` installs with `-c constraints.txt` (why each version is held back is in the file); an
+    environment installed without it still works, but slower, and this says how to match the project's."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    held = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    assert held, "constraints.txt holds no version"
+    for requirement in held:
+        installed = version(requirement.name)
+        assert requirement.specifier.contains(installed, prereleases=True), (
+            f"{requirement.name} {installed} is installed; constraints.txt wants {requirement.specifier} "
+            "(make setup, or pip install -c constraints.txt -e '.[dev]')"
+        )

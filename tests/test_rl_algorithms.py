@@ -52,7 +52,7 @@ def test_two_steps_of_every_rl_algorithm(ray_session, tmp_path, caplog, algo, st
         config.algo.dynamic_sampling = True
         config.algo.max_refill_draws = 1
     rl_loop.run(config)
-    # The trainer actor trains on the fake devices `ray_session` gives the actors (conftest.RAY_ACTOR_DEVICES).
+    # The trainer actor trains on the fake devices `ray_session` gives the actors (actor_devices.RAY_ACTOR_DEVICES).
     assert "trainer: mesh {'data': 2, 'fsdp': 1, 'tensor': 1} over 2 devices in 1 process(es)" in caplog.text
     records = rl_run_checks.assert_loop_records(config.run_dir, algo)
     if algo == "dapo":

@@ -164,14 +164,16 @@ def _critic_step(tmp_path, name: str, *, epochs: int = 1, **hparams):
     trainer.start()
     rng = np.random.default_rng(3)
     n, width = config.train.global_batch_size, config.rollout.max_new_tokens
+    group = config.rollout.n_samples
+    prompts = rng.integers(1, 100, (n // group, 8))  # the samples of a group share their prompt (`Rollouts`)
     rollouts = Rollouts(
-        prompt_ids=rng.integers(1, 100, (n, 8)).astype(np.int32),
+        prompt_ids=np.repeat(prompts, group, axis=0).astype(np.int32),
         prompt_lengths=np.full((n,), 8, np.int32),
         completion_ids=rng.integers(1, 100, (n, width)).astype(np.int32),
         completion_mask=np.ones((n, width), np.float32),
         behavior_logprobs=np.full((n, width), -4.0, np.float32),
         finish_reason=np.zeros((n,), np.int32),
-        group_id=np.arange(n, dtype=np.int32) // config.rollout.n_samples,
+        group_id=np.arange(n, dtype=np.int32) // group,
         policy_version=np.zeros((n,), np.int32),
     )
     rewards = rng.integers(0, 2, n).astype(np.float32) * 5.0

@@ -68,7 +68,7 @@ def test_rl_run_with_a_module_function_loss(tmp_path, monkeypatch, caplog, algor
         rl_loop.run(config)
     finally:
         sys.modules.pop("my_losses", None)
-    # The Ray instance the run started gave its actors conftest.RAY_ACTOR_DEVICES.
+    # The Ray instance the run started gave its actors actor_devices.RAY_ACTOR_DEVICES.
     assert "trainer: mesh {'data': 2, 'fsdp': 1, 'tensor': 1} over 2 devices in 1 process(es)" in caplog.text
     records = read_metrics(config.run_dir)
     assert [r["step"] for r in records] == [1, 2]

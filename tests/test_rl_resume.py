@@ -57,7 +57,7 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl_resume")
     (root / "resume_rl.py").write_text(CONFIG)
     env = harness.subprocess_env(
-        # As the actors of the in-process RL tests (conftest.RAY_ACTOR_DEVICES): still a mesh (data 2), at a
+        # As the actors of the in-process RL tests (actor_devices.RAY_ACTOR_DEVICES): still a mesh (data 2), at a
         # fraction of 8 devices' cost on a 2-core machine.
         devices=2,
         RESUME_ROOT=str(root),

@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.ray, pytest.mark.s
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, os.path.join(ROOT, "configs"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 import tiny_rl  # noqa: E402
+from actor_devices import ask_for_actor_devices  # noqa: E402  (tests/actor_devices.py, shared with tests/)
 
 ARCH = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
 
@@ -59,19 +61,15 @@ def hf_bytes(config) -> int:
     return 4 * (vocab * d + layers * per_layer + d + lm_head)
 
 
-TRAINER_DEVICES = 2
-"""Fake CPU devices of the actors (the trainer's mesh: data 2), as tests/conftest.py's RAY_ACTOR_DEVICES gives the
-Ray RL runs of tests/: 8 devices' collectives on 2 cores slow every train step 3-4x for nothing these runs check."""
-
-
 @pytest.fixture(scope="module")
 def ray_session():
+    """A local Ray instance whose actors see `actor_devices.RAY_ACTOR_DEVICES` (2) fake CPU devices, as the Ray RL
+    runs of tests/ get them: the trainer's mesh is data 2."""
     from feynrl_jax.orchestration.runtime import start_ray, stop_ray
 
-    # Ray's processes take the environment of the `ray.init` that starts them; `JAX_NUM_CPU_DEVICES` overrides the
-    # fake-device count that tests/conftest.py puts in XLA_FLAGS (this process keeps its own).
+    # Ray's processes take the environment of the `ray.init` that starts them; this process keeps its own devices.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("JAX_NUM_CPU_DEVICES", str(TRAINER_DEVICES))
+        ask_for_actor_devices(patch)
         assert start_ray(tiny_rl.get_config().ray)
     yield
     stop_ray()
