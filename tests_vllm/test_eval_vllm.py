@@ -70,7 +70,7 @@ def test_sft_evaluates_on_vllm(tmp_path):
     config.data.max_seq_len = 64
     config.data.max_prompt_len = 48
     config.train.steps = 2
-    config.train.global_batch_size = 8  # divisible by the 8 fake CPU devices of tests/conftest.py
+    config.train.global_batch_size = 8  # divisible by tests/conftest.py's 8 fake devices (1 under make test-vllm)
     config.checkpoint.every_steps = 0
     config.tracking.progress_bar = False
     config.eval.reward = "gsm8k"
