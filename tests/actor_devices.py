@@ -2,15 +2,18 @@
 tests_vllm/). Not a test module: tests/conftest.py and tests_vllm/test_rl_vllm.py import it.
 
 The actors take the environment of the `ray.init` that starts them, so a test asks for their devices by setting
-`XLA_FLAGS` around that call (`ask_for_actor_devices`). The flags are the ones a `feynrl-jax` process with that
-many devices runs with (the device count and `feynrl_jax/cli/xla_flags.py`'s scheduler flag), so the actors
-compile the same programs as the suite's CLI runs and share their entries in the persistent compilation cache,
-whichever tier, or both, the session runs.
+`XLA_FLAGS` around that call (`ask_for_actor_devices`; `local_ray` starts a Ray instance so, for both tiers'
+`ray_session` fixtures). The flags are the ones a `feynrl-jax` process with that many devices runs with (the
+device count and `feynrl_jax/cli/xla_flags.py`'s scheduler flag), so the actors compile the same programs as the
+suite's CLI runs and share their entries in the persistent compilation cache, whichever tier, or both, the session
+runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -44,3 +47,18 @@ def ask_for_actor_devices(patch: pytest.MonkeyPatch) -> None:
     """Sets, through `patch`, the environment that the actors of a Ray instance started next inherit."""
     patch.setenv("XLA_FLAGS", actor_xla_flags(os.environ.get("XLA_FLAGS", "")))
     patch.delenv("JAX_NUM_CPU_DEVICES", raising=False)  # it would override the flag
+
+
+@contextlib.contextmanager
+def local_ray(ray_config) -> Iterator[None]:
+    """A local Ray instance started with `ray_config` (a config's `ray` settings) whose actors see
+    `RAY_ACTOR_DEVICES` fake CPU devices; this process keeps its own. Stopped on exit."""
+    from feynrl_jax.orchestration.runtime import start_ray, stop_ray
+
+    with pytest.MonkeyPatch.context() as patch:
+        ask_for_actor_devices(patch)
+        assert start_ray(ray_config)
+    try:
+        yield
+    finally:
+        stop_ray()

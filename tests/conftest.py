@@ -51,7 +51,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 import pytest  # noqa: E402
-from actor_devices import ask_for_actor_devices  # noqa: E402  (tests/actor_devices.py)
+from actor_devices import ask_for_actor_devices, local_ray  # noqa: E402  (tests/actor_devices.py)
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +60,11 @@ def ray_session():
     session's persistent compilation cache (above) and see `actor_devices.RAY_ACTOR_DEVICES` fake CPU devices."""
     import sys
 
-    from feynrl_jax.orchestration.runtime import start_ray, stop_ray
-
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
     import tiny_rl
 
-    # Ray's processes take the environment of the `ray.init` that starts them.
-    with pytest.MonkeyPatch.context() as patch:
-        ask_for_actor_devices(patch)
-        assert start_ray(tiny_rl.get_config().ray)
-    yield
-    stop_ray()
+    with local_ray(tiny_rl.get_config().ray):
+        yield
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import tiny_rl  # noqa: E402
-from actor_devices import ask_for_actor_devices  # noqa: E402  (tests/actor_devices.py, shared with tests/)
+from actor_devices import local_ray  # noqa: E402  (tests/actor_devices.py, shared with tests/)
 
 ARCH = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64)
 
@@ -65,14 +65,8 @@ def hf_bytes(config) -> int:
 def ray_session():
     """A local Ray instance whose actors see `actor_devices.RAY_ACTOR_DEVICES` (2) fake CPU devices, as the Ray RL
     runs of tests/ get them: the trainer's mesh is data 2."""
-    from feynrl_jax.orchestration.runtime import start_ray, stop_ray
-
-    # Ray's processes take the environment of the `ray.init` that starts them; this process keeps its own devices.
-    with pytest.MonkeyPatch.context() as patch:
-        ask_for_actor_devices(patch)
-        assert start_ray(tiny_rl.get_config().ray)
-    yield
-    stop_ray()
+    with local_ray(tiny_rl.get_config().ray):
+        yield
 
 
 def test_sync_run_on_vllm(ray_session, tmp_path, caplog):
