@@ -143,6 +143,8 @@ class NativeEngine:
         self.attend_buckets = bucket_lengths(min(_MIN_ATTEND_LEN, _floor_pow2(cache_len)), cache_len)
         self.param_shardings = param_shardings
         self.last_stats: dict[str, float] = {}
+        # What a `warm_up` cut short by `stop()` left for `finish_warm_up`: its sampling and narrowed-tail work.
+        self._warmup_left: tuple[SamplingParams, list[tuple]] | None = None
 
         state_shardings = None
         if cache_sharding is not None:
@@ -413,7 +415,8 @@ class NativeEngine:
           - where the batch's tail can narrow (`narrow_tail`, see `_narrows`): the gathers from each width to
             each narrower one, each narrower width's dispatches (attend lengths as above) and, with stop strings,
             its slot release. `stop()` (say, a generation is waiting for the engine) ends the warm-up before
-            each of these programs: what is left compiles when a batch first needs it.
+            each of these programs: what is left, `warm_up_left` programs, `finish_warm_up` compiles later (else a
+            batch compiles what it first needs).
 
         The engine afterwards holds the same params, version and free slots as before: a later `generate` returns
         what it would have returned without the warm-up. A batch that reaches other prefill buckets or attend
@@ -468,31 +471,11 @@ class NativeEngine:
         if sampling.stop_strings:  # a stop string frees its slot (here none: every slot is free already)
             self._state = self._release(self._state, np.zeros(self.num_slots, bool))
         compiled, complete = len(attend), True
+        self._warmup_left = None
         if self._narrows(rows, caps):
-            states = {self.num_slots: self._state}
-
-            def take(width: int, wider: int) -> None:
-                states[width] = self._gather(states[wider], list(range(width)))
-
-            def release(width: int) -> None:  # a stop string frees its slot in the narrowed batch
-                states[width] = self._release(states[width], np.zeros(width, bool))
-
-            work = []  # (program, is a decode dispatch), in order
-            for width in self.decode_widths[1:]:
-                work += [
-                    (functools.partial(take, width, wider), False) for wider in self.decode_widths if wider > width
-                ]
-                work += [(functools.partial(release, width), False)] if sampling.stop_strings else []
-                work += [
-                    (functools.partial(lambda w, a: compile_dispatch(states[w], a), width, a), True) for a in attend
-                ]
-            for program, dispatch in work:
-                if stop is not None and stop():
-                    complete = False
-                    break
-                program()
-                compiled += dispatch
-            del states
+            done, left = self._warm_narrow_tail(sampling, self._narrow_tail_work(attend, sampling), stop)
+            compiled, complete = compiled + done, not left
+            self._warmup_left = (sampling, left) if left else None
         return {
             "seconds": time.perf_counter() - t0,
             "dispatch_programs": float(compiled),
@@ -500,6 +483,77 @@ class NativeEngine:
             "batched_prefill_buckets": float(len(batched)),
             "complete": float(complete),
         }
+
+    @property
+    def warm_up_left(self) -> int:
+        """How many of its narrowed tail's programs the last `warm_up` left because `stop()` cut it short: those
+        that `finish_warm_up` compiles (0 once it has)."""
+        return len(self._warmup_left[1]) if self._warmup_left else 0
+
+    def finish_warm_up(self, *, stop: Callable[[], bool] | None = None) -> dict[str, float]:
+        """Compiles what the last `warm_up` left when `stop()` cut it short (the narrowed tail's gathers, slot
+        releases and dispatches, `warm_up_left` of them), on the params the engine holds now; `stop()` ends it
+        again before any of these programs, and a later call goes on from there. A rollout worker calls it while
+        it waits for work, so that a batch whose tail first narrows in a later step does not compile there.
+
+        The engine afterwards holds the same params, version and free slots as before (as after `warm_up`). Where
+        it holds no params (`release_memory`), it compiles nothing and keeps the work for later.
+
+        Returns:
+            `{"seconds", "dispatch_programs", "complete"}`: the dispatch programs compiled, and 1.0 once nothing
+            is left.
+        """
+        t0 = time.perf_counter()
+        compiled = 0
+        if self._warmup_left is not None and self._params is not None:
+            sampling, work = self._warmup_left
+            self._state = self._usable_state()
+            compiled, left = self._warm_narrow_tail(sampling, work, stop)
+            self._warmup_left = (sampling, left) if left else None
+        return {
+            "seconds": time.perf_counter() - t0,
+            "dispatch_programs": float(compiled),
+            "complete": float(self._warmup_left is None),
+        }
+
+    def _narrow_tail_work(self, attend: Sequence[int], sampling: SamplingParams) -> list[tuple]:
+        """The narrowed tail's programs that `warm_up` compiles, in order: for each width narrower than the whole,
+        the gathers into it from each wider width (`("take", width, wider)`), with stop strings its slot release
+        (`("release", width)`), and its dispatch at each attend length (`("dispatch", width, attend_len)`)."""
+        work: list[tuple] = []
+        for width in self.decode_widths[1:]:
+            work += [("take", width, wider) for wider in self.decode_widths if wider > width]
+            work += [("release", width)] if sampling.stop_strings else []
+            work += [("dispatch", width, attend_len) for attend_len in attend]
+        return work
+
+    def _warm_narrow_tail(
+        self, sampling: SamplingParams, work: list[tuple], stop: Callable[[], bool] | None
+    ) -> tuple[int, list[tuple]]:
+        """Runs `work` (`_narrow_tail_work`) in order on states gathered from the held whole-width state, until
+        `stop()` answers True before one of them. Returns the dispatch programs compiled and the work left."""
+        decode_args, decode_static = _decode_inputs(sampling)
+        states = {self.num_slots: self._state}
+
+        def state(width: int) -> DecodeState:  # a width gathered by work done in an earlier call: gathered again
+            if width not in states:
+                states[width] = self._gather(self._state, list(range(width)))
+            return states[width]
+
+        compiled = 0
+        for i, (kind, width, *rest) in enumerate(work):
+            if stop is not None and stop():
+                return compiled, work[i:]
+            if kind == "take":
+                states[width] = self._gather(state(rest[0]), list(range(width)))
+            elif kind == "release":  # a stop string frees its slot in the narrowed batch
+                states[width] = self._release(state(width), np.zeros(width, bool))
+            else:
+                self._decode.lower(
+                    self._params, state(width), *decode_args, **decode_static, attend_len=rest[0]
+                ).compile()
+                compiled += 1
+        return compiled, []
 
     def _batched_prefill_buckets(self, prompt_lengths: Sequence[int], n: int) -> list[int]:
         """The prefill buckets whose batched prefill `warm_up` compiles for prompts of `prompt_lengths`, `n` samples

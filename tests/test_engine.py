@@ -579,6 +579,36 @@ def test_a_warm_up_changes_nothing_an_engine_returns_and_can_be_cut_short(engine
     assert compiled.count("jit(dispatch)") >= 2 and "jit(prefill)" not in compiled, compiled
 
 
+def test_a_warm_up_cut_short_is_finished_later_and_the_batch_then_compiles_nothing(params):
+    """`finish_warm_up` compiles what a warm-up cut short left (going on from where a second `stop()` ended it, and
+    keeping it while the engine holds no params): the batch whose tail narrows to every width then compiles
+    nothing and samples what an engine that never warmed up samples."""
+    prompts = (PROMPTS * 4)[:16]
+    sampling_params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=3)
+    caps = [2] * 13 + [6, 6, 30]  # 16 rows, then 3 (width 4), then 1 (width 1)
+    engine = NativeEngine(CONFIG, placeholder_params(CONFIG), **WARM_KWARGS)
+    assert engine.warm_up([len(p) for p in prompts], sampling_params, stop=lambda: True)["complete"] == 0.0
+    # Widths 4 and 1: the gathers 16->4, 16->1 and 4->1, and each width's dispatch at attend lengths 32 and 48.
+    assert engine.warm_up_left == 7
+    engine.release_memory()
+    assert engine.finish_warm_up() == {"seconds": pytest.approx(0, abs=1), "dispatch_programs": 0.0, "complete": 0.0}
+    assert engine.warm_up_left == 7
+    engine.load_params(placeholder_params(CONFIG), 0)
+    answers = iter([False, False, True])  # the gather into width 4 and one of its dispatches, then stop
+    part = engine.finish_warm_up(stop=lambda: next(answers))
+    assert part["complete"] == 0.0 and part["dispatch_programs"] == 1.0 and engine.warm_up_left == 5
+    rest = engine.finish_warm_up()
+    assert rest["complete"] == 1.0 and rest["dispatch_programs"] == 3.0 and engine.warm_up_left == 0
+    assert engine.finish_warm_up()["dispatch_programs"] == 0.0  # nothing left
+
+    engine.load_params(params, 1)
+    compiled, out = _compiled_during(lambda: engine.generate(prompts, sampling_params, max_new_tokens=caps))
+    assert compiled == [] and engine.last_stats["narrowings"] == 2, (compiled, engine.last_stats)
+    expected = NativeEngine(CONFIG, params, **WARM_KWARGS).generate(prompts, sampling_params, max_new_tokens=caps)
+    np.testing.assert_array_equal(out.completion_ids, expected.completion_ids)
+    np.testing.assert_array_equal(out.behavior_logprobs, expected.behavior_logprobs)
+
+
 def test_a_warm_up_for_prompts_too_long_for_the_cache_is_refused(engine):
     with pytest.raises(ValueError, match="a prompt of 48 tokens leaves no room"):
         engine.warm_up([48], SamplingParams(max_new_tokens=5))

@@ -3,6 +3,7 @@ key is honoured both ways, with nothing the run computes changed by it."""
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -65,3 +66,54 @@ def test_a_vllm_run_cannot_turn_the_warm_up_off():
         validate(config, num_devices=1)
     except ConfigError as error:  # vLLM may be missing here; the warm-up is not the problem
         assert all(p.key != "rollout.warmup" for p in error.problems)
+
+
+@pytest.mark.ray
+def test_a_worker_finishes_the_warm_up_its_first_generation_cut_short_before_the_tail_needs_it(ray_session):
+    """A generation that comes while the worker warms up cuts the narrowed tail's part short; the worker compiles
+    that part once the generation is done (`warm_up_left` falls to 0 with no call from outside), so a later batch
+    whose tail narrows to every width compiles nothing."""
+    import dataclasses
+
+    import jax
+    import ray
+
+    from feynrl_jax.checkpoints import smollm2_checkpoint_dir
+    from feynrl_jax.models import ModelConfig, init_params
+    from feynrl_jax.orchestration.actors import ParamStoreActor, RolloutWorker, latest_snapshot, publish_params
+    from feynrl_jax.orchestration.engines import EngineSpec
+    from feynrl_jax.rollout.types import SamplingParams
+
+    # A model of this test's own: no other test's programs in a shared compilation cache shorten its warm-up.
+    model = ModelConfig(
+        vocab_size=80, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
+    )
+    store = ParamStoreActor.remote()
+    publish_params(store, jax.device_get(init_params(model, jax.random.PRNGKey(0))), 1, timeout_s=60)
+    snapshot = latest_snapshot(store, timeout_s=60)
+    spec = EngineSpec(kind="native", num_slots=16, cache_len=48, decode_steps_per_dispatch=2)
+    worker = RolloutWorker.options(max_concurrency=2).remote(model, smollm2_checkpoint_dir(), spec=spec, index=0)
+    ray.get(worker.ready.remote())
+    prompts = [[(5 * i + j) % 70 + 1 for j in range(5)] for i in range(16)]
+    # A third of the vocabulary stops a row: the 16 rows end at different lengths, and the tail narrows.
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7, stop_token_ids=tuple(range(0, 80, 3)))
+
+    def status():
+        return ray.get(worker.status.remote())
+
+    warm = worker.warm_up.remote([len(p) for p in prompts], sampling)
+    deadline = time.monotonic() + 120
+    while not status()["warming_up"]:
+        assert time.monotonic() < deadline, "the warm-up never started"
+        time.sleep(0.01)
+    # Two new tokens: one dispatch, no narrowing; it waits for the warm-up's whole-width part, then cuts it short.
+    _, first = ray.get(worker.generate.remote(prompts, dataclasses.replace(sampling, max_new_tokens=2), snapshot))
+    assert first["narrowings"] == 0, first
+    assert ray.get(warm)["complete"] == 0.0
+    while status()["warm_up_left"] or status()["warming_up"]:
+        assert time.monotonic() < deadline, status()
+        time.sleep(0.05)
+    _, second = ray.get(worker.generate.remote(prompts, sampling, snapshot))
+    assert second["narrowings"] > 0 and second["compile_seconds"] == 0.0, second
+    ray.kill(worker)
+    ray.kill(store)

@@ -256,7 +256,11 @@ class RolloutWorker:
         self.generating = False
         self.generate_calls = 0
         self.engine_lock = threading.Lock()  # one generation or load at a time (an evaluation may call meanwhile)
-        self.generation_waits = threading.Event()  # set by the first `generate`: a warm-up still running yields
+        # Generations waiting for or holding the engine: a warm-up (or its finish) yields to them.
+        self.generations, self.generations_lock = 0, threading.Lock()
+        self.warming_up = False  # a warm-up or its finish holds the engine
+        self.finisher: threading.Thread | None = None  # finishes a warm-up cut short (`_finish_warm_up_soon`)
+        self.finish_failed = False
         with kept_until_ready(self):
             pin_cpu_cores(cpu_cores)
             if spec.kind == "native":  # a vLLM engine keeps its own thread settings
@@ -278,14 +282,17 @@ class RolloutWorker:
         return os.getpid()
 
     def status(self) -> dict[str, Any]:
-        """`{"pid", "engine", "version", "generating", "generate_calls", "cpu_cores", "gpu_ids"}` (answers while a
-        generation runs)."""
+        """`{"pid", "engine", "version", "generating", "generate_calls", "warming_up", "warm_up_left", "cpu_cores",
+        "gpu_ids"}` (answers while a generation runs); `warm_up_left`: the programs a native engine's warm-up cut
+        short has yet to compile (`NativeEngine.warm_up_left`)."""
         return {
             "pid": os.getpid(),
             "engine": type(self.engine).__name__ if self.engine is not None else None,
             "version": self.version,
             "generating": self.generating,
             "generate_calls": self.generate_calls,
+            "warming_up": self.warming_up,
+            "warm_up_left": getattr(self.engine, "warm_up_left", 0),
             "cpu_cores": sorted(os.sched_getaffinity(0)),
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
         }
@@ -345,7 +352,9 @@ class RolloutWorker:
         """Native engine: builds the engine on placeholder weights (`feynrl_jax.models.placeholder_params`) unless
         it exists, and compiles the programs that a batch of prompts of `prompt_lengths` sampled with `sampling`
         runs (`NativeEngine.warm_up`). The driver calls it at start-up (`rollout.warmup`), so that the worker
-        compiles while the trainer starts instead of in the first generation, which waits for it.
+        compiles while the trainer starts instead of in the first generation, which waits for it. A generation
+        that comes meanwhile cuts the narrowed tail's part short; the worker finishes it once that generation is
+        done and no other waits (`_finish_warm_up_soon`).
 
         Returns:
             `NativeEngine.warm_up`'s figures; {} for a vLLM engine (it warmed itself up when it started) or where
@@ -353,7 +362,7 @@ class RolloutWorker:
         """
         if self.spec.kind != "native":
             return {}
-        with self.engine_lock:
+        with self.engine_lock, self._holding_for_warm_up():
             try:
                 if self.engine is None:
                     from feynrl_jax.models import lora, placeholder_params
@@ -364,7 +373,7 @@ class RolloutWorker:
                     )
                     if self.model_config.lora_rank:  # later syncs load the adapters alone: that program too
                         self.engine.load_adapters(lora.adapters_of(placeholder), -1)
-                stats = self.engine.warm_up(prompt_lengths, sampling, stop=self.generation_waits.is_set)
+                stats = self.engine.warm_up(prompt_lengths, sampling, stop=self._generation_waits)
             except Exception:
                 log.warning(
                     "rollout worker %d: the warm-up failed; the first generation compiles instead",
@@ -392,22 +401,70 @@ class RolloutWorker:
             `(Rollouts, stats)`: the engine's `last_stats`, the weight sync's figures (`load`) and, native engine,
             `compile_seconds` (JAX's backend compiles during the call, the load's included).
         """
-        self.generation_waits.set()
-        with self.engine_lock:
-            self.generating = True
-            self.generate_calls += 1
+        with self.generations_lock:
+            self.generations += 1
+        try:
+            with self.engine_lock:
+                self.generating = True
+                self.generate_calls += 1
+                try:
+                    if delay_s:
+                        time.sleep(delay_s)
+                    compiled = self.clock.seconds() if self.clock else 0.0
+                    sync = self.load(snapshot)
+                    rollouts = self.engine.generate(prompts, sampling)
+                    stats = {**self.engine.last_stats, **sync}
+                    if self.clock:
+                        stats["compile_seconds"] = self.clock.seconds() - compiled
+                    return rollouts, stats
+                finally:
+                    self.generating = False
+        finally:
+            with self.generations_lock:
+                self.generations -= 1
+            self._finish_warm_up_soon()
+
+    def _generation_waits(self) -> bool:
+        """Whether a generation waits for the engine or holds it (a warm-up's `stop`)."""
+        return self.generations > 0
+
+    @contextlib.contextmanager
+    def _holding_for_warm_up(self):
+        """`warming_up` (`status`) while the body runs; call it holding the engine."""
+        self.warming_up = True
+        try:
+            yield
+        finally:
+            self.warming_up = False
+
+    def _finish_warm_up_soon(self) -> None:
+        """A native engine whose warm-up a generation cut short: compiles what it left (`NativeEngine.finish_warm_up`)
+        in a thread of its own, once no generation waits, and yields to the next one as the warm-up does; so the
+        narrowed tail's programs compile while the worker waits for work (a sync run's update), not in the
+        generation whose tail first narrows to them."""
+        if self.spec.kind != "native" or self.finish_failed or not getattr(self.engine, "warm_up_left", 0):
+            return
+        if self.finisher is not None and self.finisher.is_alive():
+            return
+        self.finisher = threading.Thread(target=self._finish_warm_up, name="finish_warm_up", daemon=True)
+        self.finisher.start()
+
+    def _finish_warm_up(self) -> None:
+        with self.engine_lock, self._holding_for_warm_up():
+            if self._generation_waits():
+                return  # the next generation's end tries again
             try:
-                if delay_s:
-                    time.sleep(delay_s)
-                compiled = self.clock.seconds() if self.clock else 0.0
-                sync = self.load(snapshot)
-                rollouts = self.engine.generate(prompts, sampling)
-                stats = {**self.engine.last_stats, **sync}
-                if self.clock:
-                    stats["compile_seconds"] = self.clock.seconds() - compiled
-                return rollouts, stats
-            finally:
-                self.generating = False
+                stats = self.engine.finish_warm_up(stop=self._generation_waits)
+            except Exception:
+                self.finish_failed = True
+                log.warning(
+                    "rollout worker %d: finishing the warm-up failed; a batch compiles what it needs",
+                    self.index,
+                    exc_info=True,
+                )
+                return
+        if stats["complete"]:
+            log.info("rollout worker %d: finished the warm-up that a generation cut short", self.index)
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)

@@ -469,7 +469,7 @@ class _Run:
         log.info(
             "rollout workers warmed up in %.1f s (the slowest)%s",
             seconds,
-            f"; {cut} cut short by their first generation" if cut else "",
+            f"; {cut} cut short by their first generation (each finishes it once that is done)" if cut else "",
         )
         return {"perf/rollout_warmup_seconds": seconds}
 
