@@ -193,3 +193,29 @@ def test_placeholder_rollouts_have_the_engines_shapes_and_groups():
     for field in ("prompt_ids", "prompt_lengths", "completion_ids", "finish_reason", "group_id", "policy_version"):
         assert getattr(rollouts, field).dtype == np.int32, field
     assert rollouts.completion_mask.dtype == rollouts.behavior_logprobs.dtype == np.float32
+
+
+def test_a_trainer_given_its_model_config_loads_the_tokenizer_only_when_it_needs_it(tmp_path, monkeypatch):
+    """The RL driver hands its trainer the policy's `ModelConfig` (`TrainerActor`): the trainer then starts
+    without loading the tokenizer (transformers' import), and loads it once, at its first use (evaluation)."""
+    from feynrl_jax.train import run_setup
+
+    config = _config(tmp_path, "grpo", {"train.compile_ahead": False})
+    source = run_setup.resolve_model_source(config.model, config.run_dir)
+    model_config = run_setup.model_config(config.model, source, run_setup.load_run_tokenizer(source))
+    loads = []
+    load = run_setup.load_run_tokenizer
+    monkeypatch.setattr(run_setup, "load_run_tokenizer", lambda s: loads.append(s) or load(s))
+    trainer = RLTrainer(config, model_config)
+    try:
+        assert trainer.model_config is model_config and loads == []
+        assert trainer.tokenizer.decode(trainer.tokenizer.encode("two plus 3")) == "two plus 3"
+        assert trainer.tokenizer is trainer.tokenizer and loads == [source]
+    finally:
+        trainer.close()
+    # Without it, the trainer computes the same config from the tokenizer it loads.
+    trainer = RLTrainer(config)
+    try:
+        assert trainer.model_config == model_config and len(loads) == 2
+    finally:
+        trainer.close()

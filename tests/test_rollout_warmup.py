@@ -72,13 +72,13 @@ def test_a_vllm_run_cannot_turn_the_warm_up_off():
 def test_a_worker_finishes_the_warm_up_its_first_generation_cut_short_before_the_tail_needs_it(ray_session):
     """A generation that comes while the worker warms up cuts the narrowed tail's part short; the worker compiles
     that part once the generation is done (`warm_up_left` falls to 0 with no call from outside), so a later batch
-    whose tail narrows to every width compiles nothing."""
+    whose tail narrows to every width compiles nothing. The worker loads its tokenizer only for stop strings."""
     import dataclasses
 
     import jax
     import ray
 
-    from feynrl_jax.checkpoints import smollm2_checkpoint_dir
+    from feynrl_jax.checkpoints import load_tokenizer, smollm2_checkpoint_dir
     from feynrl_jax.models import ModelConfig, init_params
     from feynrl_jax.orchestration.actors import ParamStoreActor, RolloutWorker, latest_snapshot, publish_params
     from feynrl_jax.orchestration.engines import EngineSpec
@@ -115,5 +115,11 @@ def test_a_worker_finishes_the_warm_up_its_first_generation_cut_short_before_the
         time.sleep(0.05)
     _, second = ray.get(worker.generate.remote(prompts, sampling, snapshot))
     assert second["narrowings"] > 0 and second["compile_seconds"] == 0.0, second
+    # Without stop strings the worker never loaded its tokenizer (transformers stays unimported there); the first
+    # `detokenize` loads it and decodes as the tokenizer does.
+    assert not ray.get(worker.__ray_call__.remote(lambda _: "transformers" in sys.modules))
+    ids = [20, 33, 47, 61, 2]
+    want = load_tokenizer(smollm2_checkpoint_dir()).decode(ids, skip_special_tokens=True)
+    assert ray.get(worker.detokenize.remote(ids)) == want
     ray.kill(worker)
     ray.kill(store)

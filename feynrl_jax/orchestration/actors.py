@@ -265,9 +265,9 @@ class RolloutWorker:
             pin_cpu_cores(cpu_cores)
             if spec.kind == "native":  # a vLLM engine keeps its own thread settings
                 openmp_threads_from_cores()
-            from feynrl_jax.checkpoints import load_tokenizer
-
-            self.tokenizer = load_tokenizer(tokenizer_dir)
+            # Loaded by the first `detokenize` (stop strings): a run without them never imports transformers here,
+            # 1.3-1.5 s of every worker's start. The driver loaded the same folder already (a bad one fails there).
+            self.tokenizer_dir, self.tokenizer = tokenizer_dir, None
             self.clock = compile_clock() if spec.kind == "native" else None  # vLLM compiles with torch
             if spec.kind == "vllm":
                 self.engine = build_vllm(spec, model_config)
@@ -345,6 +345,10 @@ class RolloutWorker:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids to text (stop strings)."""
+        if self.tokenizer is None:
+            from feynrl_jax.checkpoints import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.tokenizer_dir)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @ray.method(concurrency_group=WARMUP_GROUP)
@@ -531,14 +535,23 @@ class TrainerActor:
         process_id: this actor's process id in a trainer of `ray.trainer_processes` > 1 processes, else None.
         algorithm: the driver's record of `config.algo.name` (`feynrl_jax.losses.Algorithm`), registered in this
             process unless the name is known here already; None looks the name up here.
+        model_config: the driver's `ModelConfig` of the policy (`RLTrainer`'s `model_config`); None: computed here.
     """
 
-    def __init__(self, config: Any, store: Any, spec: EngineSpec, process_id: int | None = None, algorithm: Any = None):
+    def __init__(
+        self,
+        config: Any,
+        store: Any,
+        spec: EngineSpec,
+        process_id: int | None = None,
+        algorithm: Any = None,
+        model_config: Any = None,
+    ):
         if algorithm is not None:
             from feynrl_jax.losses.registry import adopt
 
             adopt(config.algo.name, algorithm)
-        self.config, self.store, self.spec = config, store, spec
+        self.config, self.store, self.spec, self.model_config = config, store, spec, model_config
         self.store_timeout_s = config.ray.stall_timeout_s
         self.process_id = process_id
         self.init_error = None
@@ -551,7 +564,7 @@ class TrainerActor:
             openmp_threads_from_cores()
             from feynrl_jax.train.rl_trainer import RLTrainer
 
-            self.trainer = RLTrainer(self.config)
+            self.trainer = RLTrainer(self.config, self.model_config)
             self.for_engine = publish_format(self.spec, self.trainer.model_config)
             # LoRA: the base is published once (`start`), every version carries the adapters alone.
             self.lora_sync = bool(self.trainer.model_config.lora_rank)

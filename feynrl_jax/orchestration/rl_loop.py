@@ -305,7 +305,7 @@ class _Run:
         config, model_config, source = self.config, self.model_config, self.source
         check_gpus(config)
         self.store = ParamStoreActor.options(num_cpus=ACTOR_CPUS["store"]).remote()
-        self.trainers = start_trainers(config, self.store, self.engine_spec)
+        self.trainers = start_trainers(config, self.store, self.engine_spec, self.model_config)
         restarts = dict(max_restarts=config.ray.max_restarts, max_task_retries=0)
         self.placement = WorkerPlacement(config)
         self.workers = [
@@ -597,18 +597,23 @@ def run(config: ConfigDict, *, rollout_delay: Callable[[int], float] | None = No
                 ray.shutdown()
 
 
-def start_trainers(config: ConfigDict, store: Any, spec: Any) -> list[Any]:
+def start_trainers(config: ConfigDict, store: Any, spec: Any, model_config: Any) -> list[Any]:
     """The trainer's actors: one, or `ray.trainer_processes` joined into one `jax.distributed` job whose
-    coordinator runs in process 0 (its node's address, a free port there)."""
+    coordinator runs in process 0 (its node's address, a free port there); each gets the driver's `model_config`
+    (the policy's, from the same model and tokenizer), so none loads the tokenizer to start."""
     options = trainer_options(config)
     processes = config.ray.trainer_processes
     # The record travels with the actors: an algorithm registered in this process only (a loss defined in a
     # notebook) trains too.
     algorithm = get_algorithm(config.algo.name)
     if processes == 1:
-        return [TrainerActor.options(**options).remote(config, store, spec, algorithm=algorithm)]
+        return [
+            TrainerActor.options(**options).remote(config, store, spec, algorithm=algorithm, model_config=model_config)
+        ]
     trainers = [
-        TrainerActor.options(**options).remote(config, store, spec, process_id=i, algorithm=algorithm)
+        TrainerActor.options(**options).remote(
+            config, store, spec, process_id=i, algorithm=algorithm, model_config=model_config
+        )
         for i in range(processes)
     ]
     address = get_within(

@@ -434,15 +434,21 @@ class RLTrainer:
     Args:
         config: a validated RL config (unpacked here into `RLSettings`; the run-set-up helpers read its model,
             mesh, optimizer, checkpoint and eval sections).
+        model_config: the policy's `ModelConfig` where the caller has it already, `run_setup.model_config` of
+            this config's model and tokenizer (the RL driver's; `TrainerActor`): the tokenizer is then loaded
+            only where the trainer needs it (evaluation, a reference model), which keeps transformers' import out
+            of the trainer's start. None: computed here.
     """
 
-    def __init__(self, config: ConfigDict):
+    def __init__(self, config: ConfigDict, model_config: ModelConfig | None = None):
         self.config = config
         self.settings = settings = rl_settings(config)
         self.algorithm = settings.algorithm
         self.source = run_setup.resolve_model_source(config.model, config.run_dir)
-        self.tokenizer = run_setup.load_run_tokenizer(self.source)
-        self.model_config: ModelConfig = run_setup.model_config(config.model, self.source, self.tokenizer)
+        self._tokenizer = None
+        if model_config is None:
+            model_config = run_setup.model_config(config.model, self.source, self.tokenizer)
+        self.model_config: ModelConfig = model_config
         self.mesh, self.rules = run_setup.build_mesh(config.mesh)
         run_setup.log_compute(self.model_config)
         self.pad_id = self.model_config.pad_token_id if self.model_config.pad_token_id is not None else 0
@@ -598,6 +604,13 @@ class RLTrainer:
             shardings=self.train_step.state_shardings.params,
             lora_init_from=self.config.model.lora.init_from or None,
         )
+
+    @property
+    def tokenizer(self) -> Any:
+        """The run's tokenizer (`run_setup.load_run_tokenizer`), loaded at first use."""
+        if self._tokenizer is None:
+            self._tokenizer = run_setup.load_run_tokenizer(self.source)
+        return self._tokenizer
 
     def _reference_params(self) -> Any:
         reference = self.settings.reference
