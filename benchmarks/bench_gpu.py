@@ -32,7 +32,7 @@ bandwidth (``DEVICE_PEAKS``; ``--hbm-gbps`` for another device).
 Timing: every measured call is followed by ``jax.block_until_ready``; the first ``--warmup`` calls (the first one
 compiles) are excluded and the median of the next ``--steps`` is reported.
 
-Only jax, flax, optax, numpy (with what they require) and the standard library are imported, so it runs on a plain
+Only jax, optax, numpy (with what they require) and the standard library are imported, so it runs on a plain
 ``jax[cuda]`` image from a checkout of this repository, installed or not: tests/test_bench_gpu.py runs it with
 every other installed package blocked, orbax and the project's other dependencies included.
 

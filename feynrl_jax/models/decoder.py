@@ -34,7 +34,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.ad_checkpoint import checkpoint_name
 
 from feynrl_jax.kernels import onednn
@@ -48,7 +47,8 @@ Params = dict
 _NO_WINDOW = 2**30
 
 
-@struct.dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
 class KVCache:
     """Keys and values of every layer, indexed by position.
 
