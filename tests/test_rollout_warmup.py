@@ -70,9 +70,9 @@ def test_a_vllm_run_cannot_turn_the_warm_up_off():
 
 @pytest.mark.ray
 def test_a_worker_finishes_the_warm_up_its_first_generation_cut_short_before_the_tail_needs_it(ray_session):
-    """A generation that comes while the worker warms up cuts the narrowed tail's part short; the worker compiles
-    that part once the generation is done (`warm_up_left` falls to 0 with no call from outside), so a later batch
-    whose tail narrows to every width compiles nothing. The worker loads its tokenizer only for stop strings."""
+    """A generation waiting while the worker warms up cuts the narrowed tail's part short; the worker compiles that
+    part once a generation is done (`warm_up_left` falls to 0 with no call from outside), so a later batch whose
+    tail narrows to every width compiles nothing. The worker loads its tokenizer only for stop strings."""
     import dataclasses
 
     import jax
@@ -101,15 +101,18 @@ def test_a_worker_finishes_the_warm_up_its_first_generation_cut_short_before_the
     def status():
         return ray.get(worker.status.remote())
 
-    warm = worker.warm_up.remote([len(p) for p in prompts], sampling)
-    deadline = time.monotonic() + 120
-    while not status()["warming_up"]:
-        assert time.monotonic() < deadline, "the warm-up never started"
-        time.sleep(0.01)
-    # Two new tokens: one dispatch, no narrowing; it waits for the warm-up's whole-width part, then cuts it short.
+    def waiting_generations(count: int) -> None:  # as if `count` generations waited for the engine
+        ray.get(worker.__ray_call__.remote(lambda w: setattr(w, "generations", count)))
+
+    # A generation waiting throughout (whatever the machine's speed): the warm-up stops at the narrowed tail.
+    waiting_generations(1)
+    assert ray.get(worker.warm_up.remote([len(p) for p in prompts], sampling))["complete"] == 0.0
+    assert status()["warm_up_left"] > 0 and not status()["warming_up"]
+    waiting_generations(0)
+    # Two new tokens: one dispatch, no narrowing; its end starts the finisher.
     _, first = ray.get(worker.generate.remote(prompts, dataclasses.replace(sampling, max_new_tokens=2), snapshot))
     assert first["narrowings"] == 0, first
-    assert ray.get(warm)["complete"] == 0.0
+    deadline = time.monotonic() + 120
     while status()["warm_up_left"] or status()["warming_up"]:
         assert time.monotonic() < deadline, status()
         time.sleep(0.05)

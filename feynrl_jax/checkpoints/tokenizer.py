@@ -42,6 +42,23 @@ def loads_as_plain_backend(folder: str) -> bool:
     )
 
 
+def check_tokenizer_folder(path: str | os.PathLike) -> str:
+    """`path` as a string, checked without loading anything (no transformers import): a folder that holds a
+    tokenizer's model file.
+
+    Raises:
+        FileNotFoundError: the folder does not exist or holds no tokenizer files (the message names it).
+    """
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_MODEL_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in {folder}: expected one of {TOKENIZER_MODEL_FILES} (plus tokenizer_config.json)"
+        )
+    return folder
+
+
 def load_tokenizer(path: str | os.PathLike):
     """Loads the tokenizer (and its chat template) saved in a local folder.
 
@@ -56,13 +73,7 @@ def load_tokenizer(path: str | os.PathLike):
     Raises:
         FileNotFoundError: the folder does not exist or holds no tokenizer files (the message names it).
     """
-    folder = os.fspath(path)
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
-    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_MODEL_FILES):
-        raise FileNotFoundError(
-            f"no tokenizer in {folder}: expected one of {TOKENIZER_MODEL_FILES} (plus tokenizer_config.json)"
-        )
+    folder = check_tokenizer_folder(path)
     if loads_as_plain_backend(folder):
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

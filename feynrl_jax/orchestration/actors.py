@@ -255,7 +255,8 @@ class RolloutWorker:
         self.version = -1
         self.generating = False
         self.generate_calls = 0
-        self.engine_lock = threading.Lock()  # one generation or load at a time (an evaluation may call meanwhile)
+        # One generation, load, warm-up or warm-up finish at a time (an evaluation may call meanwhile).
+        self.engine_lock = threading.Lock()
         # Generations waiting for or holding the engine: a warm-up (or its finish) yields to them.
         self.generations, self.generations_lock = 0, threading.Lock()
         self.warming_up = False  # a warm-up or its finish holds the engine
@@ -266,8 +267,11 @@ class RolloutWorker:
             if spec.kind == "native":  # a vLLM engine keeps its own thread settings
                 openmp_threads_from_cores()
             # Loaded by the first `detokenize` (stop strings): a run without them never imports transformers here,
-            # 1.3-1.5 s of every worker's start. The driver loaded the same folder already (a bad one fails there).
-            self.tokenizer_dir, self.tokenizer = tokenizer_dir, None
+            # 1.3-1.5 s of every worker's start. A folder missing on this node still fails here, in `ready()`.
+            from feynrl_jax.checkpoints.tokenizer import check_tokenizer_folder
+
+            self.tokenizer_dir, self.tokenizer = check_tokenizer_folder(tokenizer_dir), None
+            self.tokenizer_lock = threading.Lock()
             self.clock = compile_clock() if spec.kind == "native" else None  # vLLM compiles with torch
             if spec.kind == "vllm":
                 self.engine = build_vllm(spec, model_config)
@@ -345,10 +349,11 @@ class RolloutWorker:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids to text (stop strings)."""
-        if self.tokenizer is None:
-            from feynrl_jax.checkpoints import load_tokenizer
+        with self.tokenizer_lock:  # the engine's stop strings and a remote call may ask at once
+            if self.tokenizer is None:
+                from feynrl_jax.checkpoints import load_tokenizer
 
-            self.tokenizer = load_tokenizer(self.tokenizer_dir)
+                self.tokenizer = load_tokenizer(self.tokenizer_dir)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @ray.method(concurrency_group=WARMUP_GROUP)
@@ -448,10 +453,11 @@ class RolloutWorker:
         generation whose tail first narrows to them."""
         if self.spec.kind != "native" or self.finish_failed or not getattr(self.engine, "warm_up_left", 0):
             return
-        if self.finisher is not None and self.finisher.is_alive():
-            return
-        self.finisher = threading.Thread(target=self._finish_warm_up, name="finish_warm_up", daemon=True)
-        self.finisher.start()
+        with self.generations_lock:  # two generations ending at once start one finisher
+            if self.finisher is not None and self.finisher.is_alive():
+                return
+            self.finisher = threading.Thread(target=self._finish_warm_up, name="finish_warm_up", daemon=True)
+            self.finisher.start()
 
     def _finish_warm_up(self) -> None:
         with self.engine_lock, self._holding_for_warm_up():
@@ -468,7 +474,11 @@ class RolloutWorker:
                 )
                 return
         if stats["complete"]:
-            log.info("rollout worker %d: finished the warm-up that a generation cut short", self.index)
+            log.info(
+                "rollout worker %d: finished the warm-up that a generation cut short (the last part in %.1f s)",
+                self.index,
+                stats["seconds"],
+            )
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
