@@ -126,3 +126,8 @@ def test_a_worker_finishes_the_warm_up_its_first_generation_cut_short_before_the
     assert ray.get(worker.detokenize.remote(ids)) == want
     ray.kill(worker)
     ray.kill(store)
+    # The folder is still checked at construction: a worker without it fails to start, naming it.
+    lost = RolloutWorker.remote(model, "/nonexistent/tokenizer", spec=spec, index=1)
+    with pytest.raises(FileNotFoundError, match="tokenizer folder /nonexistent/tokenizer does not exist"):
+        ray.get(lost.ready.remote())
+    ray.kill(lost)
