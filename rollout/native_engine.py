@@ -446,14 +446,9 @@ class NativeEngine:
         low = pick_bucket(self.attend_buckets, min(lengths[0] - 1 + steps, self.cache_len))
         high = pick_bucket(self.attend_buckets, min(lengths[-1] + emitted - 1 + steps, self.cache_len))
         attend = [a for a in self.attend_buckets if low <= a <= high]
-        decode_args, decode_static = _decode_inputs(sampling)
         self._state = self._usable_state()
-
-        def compile_dispatch(state: DecodeState, attend_len: int) -> None:
-            self._decode.lower(self._params, state, *decode_args, **decode_static, attend_len=attend_len).compile()
-
         for attend_len in attend:
-            compile_dispatch(self._state, attend_len)
+            self._compile_dispatch(self._state, sampling, attend_len)
         by_bucket = {pick_bucket(self.buckets, max(n - 1, 1)): n for n in lengths}  # the longest of each bucket
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         kept_stats = self.last_stats
@@ -532,7 +527,6 @@ class NativeEngine:
     ) -> tuple[int, list[tuple]]:
         """Runs `work` (`_narrow_tail_work`) in order on states gathered from the held whole-width state, until
         `stop()` answers True before one of them. Returns the dispatch programs compiled and the work left."""
-        decode_args, decode_static = _decode_inputs(sampling)
         states = {self.num_slots: self._state}
 
         def state(width: int) -> DecodeState:  # a width gathered by work done in an earlier call: gathered again
@@ -549,11 +543,15 @@ class NativeEngine:
             elif kind == "release":  # a stop string frees its slot in the narrowed batch
                 states[width] = self._release(state(width), np.zeros(width, bool))
             else:
-                self._decode.lower(
-                    self._params, state(width), *decode_args, **decode_static, attend_len=rest[0]
-                ).compile()
+                self._compile_dispatch(state(width), sampling, rest[0])
                 compiled += 1
         return compiled, []
+
+    def _compile_dispatch(self, state: DecodeState, sampling: SamplingParams, attend_len: int) -> None:
+        """Compiles the decode dispatch for `state`'s width, `sampling` and `attend_len` (`lower().compile()`,
+        which fills the jit's cache; nothing runs)."""
+        decode_args, decode_static = _decode_inputs(sampling)
+        self._decode.lower(self._params, state, *decode_args, **decode_static, attend_len=attend_len).compile()
 
     def _batched_prefill_buckets(self, prompt_lengths: Sequence[int], n: int) -> list[int]:
         """The prefill buckets whose batched prefill `warm_up` compiles for prompts of `prompt_lengths`, `n` samples
