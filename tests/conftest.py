@@ -10,7 +10,12 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    flags = (flags + " --xla_force_host_platform_device_count=8").strip()
+# XLA:CPU without LLVM's optimisation passes in this process and every process it starts (compiling dominates the
+# suite; what that does and does not change: tests/xla_codegen.py). A level the environment names is kept.
+from xla_codegen import with_suite_codegen  # noqa: E402  (tests/xla_codegen.py)
+
+os.environ["XLA_FLAGS"] = with_suite_codegen(flags)
 # The XLA flag `feynrl-jax` itself sets with several CPU devices (`feynrl_jax/cli/xla_flags.py`: collectives in
 # program order, no deadlock with more devices than cores), here for this process and the processes it starts with
 # its environment (a test that sets XLA_FLAGS for a subprocess sets its own). The in-process runs and their Ray

@@ -19,19 +19,21 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
+from xla_codegen import with_suite_codegen
+
 from feynrl_jax.checkpoints.train_state import TrainCheckpointer, latest_step
 from feynrl_jax.tracking import read_metrics
 
 
 def subprocess_env(*, devices: int, **extra: str) -> dict[str, str]:
-    """The environment of every run of one test: CPU, `devices` fake devices, offline, and the session's persistent
-    compilation cache (tests/conftest.py), every program written to it (a minimum compile time of 0: these runs
-    start many processes that build the same small programs), so a program another run compiled is loaded: the same
-    executable either way; it only saves time."""
+    """The environment of every run of one test: CPU, `devices` fake devices, the session's XLA code generation
+    (tests/xla_codegen.py), offline, and the session's persistent compilation cache (tests/conftest.py), every
+    program written to it (a minimum compile time of 0: these runs start many processes that build the same small
+    programs), so a program another run compiled is loaded: the same executable either way; it only saves time."""
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=with_suite_codegen(f"--xla_force_host_platform_device_count={devices}"),
         HF_HUB_OFFLINE="1",
         WANDB_MODE="offline",
         RAY_AUTH_MODE="disabled",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_codegen import with_suite_codegen
 
 MESH_NAME = "fsdp4_tp2"
 PROCESSES = 2
@@ -76,7 +77,7 @@ def test_two_processes_match_one_process(tmp_path: Path):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "FEYNRL_", "TPU_"))}
         env.update(
             JAX_PLATFORMS="cpu",
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            XLA_FLAGS=with_suite_codegen("--xla_force_host_platform_device_count=4"),
             FEYNRL_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             FEYNRL_NUM_PROCESSES=str(PROCESSES),
             FEYNRL_PROCESS_ID=str(rank),

@@ -11,3 +11,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+# The suite's XLA:CPU code generation (LLVM's optimisation passes off; tests/xla_codegen.py), as in tests/.
+from xla_codegen import with_suite_codegen  # noqa: E402  (tests/xla_codegen.py)
+
+os.environ["XLA_FLAGS"] = with_suite_codegen(os.environ.get("XLA_FLAGS", ""))
