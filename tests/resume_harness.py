@@ -18,7 +18,6 @@ from collections.abc import Iterable
 
 import jax
 import numpy as np
-
 from xla_codegen import with_suite_codegen
 
 from feynrl_jax.checkpoints.train_state import TrainCheckpointer, latest_step
