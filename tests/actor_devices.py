@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from xla_codegen import for_rl_run
 
 from feynrl_jax.cli.xla_flags import set_cpu_collective_flags
 
@@ -36,9 +37,10 @@ def with_fake_devices(xla_flags: str, count: int) -> str:
 
 
 def actor_xla_flags(xla_flags: str) -> str:
-    """The actors' `XLA_FLAGS`: `xla_flags` with `RAY_ACTOR_DEVICES` fake devices and, as `feynrl-jax` adds it
-    for several CPU devices, the concurrency-optimised scheduler off (a value already set is kept)."""
-    environ = {"XLA_FLAGS": with_fake_devices(xla_flags, RAY_ACTOR_DEVICES)}
+    """The actors' `XLA_FLAGS`: `xla_flags` with `RAY_ACTOR_DEVICES` fake devices, XLA's default backend
+    optimisation level (an RL run's processes compile at it: tests/xla_codegen.py) and, as `feynrl-jax` adds it for
+    several CPU devices, the concurrency-optimised scheduler off (a value already set is kept)."""
+    environ = {"XLA_FLAGS": with_fake_devices(for_rl_run(xla_flags), RAY_ACTOR_DEVICES)}
     set_cpu_collective_flags(environ)
     return environ["XLA_FLAGS"]
 

@@ -24,15 +24,17 @@ from feynrl_jax.checkpoints.train_state import TrainCheckpointer, latest_step
 from feynrl_jax.tracking import read_metrics
 
 
-def subprocess_env(*, devices: int, **extra: str) -> dict[str, str]:
-    """The environment of every run of one test: CPU, `devices` fake devices, the session's XLA code generation
-    (tests/xla_codegen.py), offline, and the session's persistent compilation cache (tests/conftest.py), every
-    program written to it (a minimum compile time of 0: these runs start many processes that build the same small
-    programs), so a program another run compiled is loaded: the same executable either way; it only saves time."""
+def subprocess_env(*, devices: int, rl: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of every run of one test: CPU, `devices` fake devices, the suite's XLA code generation or,
+    for an RL run (`rl`), XLA's default (tests/xla_codegen.py), offline, and the session's persistent compilation
+    cache (tests/conftest.py), every program written to it (a minimum compile time of 0: these runs start many
+    processes that build the same small programs), so a program another run compiled is loaded: the same
+    executable either way; it only saves time."""
+    devices_flag = f"--xla_force_host_platform_device_count={devices}"
     env = dict(os.environ)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=with_suite_codegen(f"--xla_force_host_platform_device_count={devices}"),
+        XLA_FLAGS=devices_flag if rl else with_suite_codegen(devices_flag),
         HF_HUB_OFFLINE="1",
         WANDB_MODE="offline",
         RAY_AUTH_MODE="disabled",

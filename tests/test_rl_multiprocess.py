@@ -47,7 +47,7 @@ def run_rl(tmp_path, name: str, *, processes: int) -> Path:
     # A reward that varies within every group (a random tiny model never solves chain_sum): real advantages and
     # gradients, so the comparison is of training, not of rounding noise around zero.
     (tmp_path / "mp_reward.py").write_text(REWARD)
-    env = harness.subprocess_env(devices=8 // processes, PYTHONPATH=str(tmp_path))
+    env = harness.subprocess_env(devices=8 // processes, rl=True, PYTHONPATH=str(tmp_path))
     command = [
         sys.executable,
         "-m",

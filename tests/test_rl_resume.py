@@ -60,6 +60,7 @@ def workspace(tmp_path_factory):
         # As the actors of the in-process RL tests (actor_devices.RAY_ACTOR_DEVICES): still a mesh (data 2), at a
         # fraction of 8 devices' cost on a 2-core machine.
         devices=2,
+        rl=True,
         RESUME_ROOT=str(root),
         TINY_RL_CONFIG=os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_rl.py"),
     )

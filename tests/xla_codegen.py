@@ -13,8 +13,10 @@ LLVM may not reassociate or approximate floating-point operations at any level, 
 in the rounding of fused multiply-adds and of vectorised reduction order, float32 rounding that every tolerance of
 the suite already covers (bitwise checks compare two runs at the same level). tests/test_xla_codegen.py checks
 exactly that on the model's forward and backward pass and the engine's decoding: the default level, in a
-subprocess, against this session's level. `make demo`, the benchmarks and every user's run compile at XLA's
-default. `XLA_FLAGS=--xla_backend_optimization_level=N make test` runs the suite, subprocesses included, at N.
+subprocess, against this session's level. `make demo`, the notebooks, the launch-script tests, the benchmarks and
+every user's run compile at XLA's default. `XLA_FLAGS=--xla_backend_optimization_level=N make test` runs the suite,
+subprocesses included, at N, except the unit tests whose jits pass level 0 as their own compiler options (they did
+so before the whole suite did: `test_train_step.FAST_COMPILE` and its like).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def with_suite_codegen(xla_flags: str, environ=os.environ) -> str:
     return f"{xla_flags} {FLAG}={session_level(environ)}".strip()
 
 
-def without_codegen_level(xla_flags: str) -> str:
-    """`xla_flags` without any backend optimisation level: XLA's default level (what users compile at)."""
+def for_rl_run(xla_flags: str) -> str:
+    """`xla_flags` without any backend optimisation level: XLA's default level, where users compile and where the
+    suite's RL runs (their Ray actors and their CLI processes) compile (module docstring)."""
     return " ".join(f for f in xla_flags.split() if not _LEVEL.match(f))
