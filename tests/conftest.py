@@ -11,16 +11,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     flags = (flags + " --xla_force_host_platform_device_count=8").strip()
-# XLA:CPU without LLVM's optimisation passes in this process and every process it starts (compiling dominates the
-# suite; what that does and does not change: tests/xla_codegen.py). A level the environment names is kept.
+# XLA:CPU without LLVM's optimisation passes in this process and the processes it starts, but for the RL runs'
+# (Ray actors, RL CLI runs: XLA's default level). Compiling dominates the suite; what that does and does not change:
+# tests/xla_codegen.py. A level the environment names is kept.
 from xla_codegen import with_suite_codegen  # noqa: E402  (tests/xla_codegen.py)
 
 os.environ["XLA_FLAGS"] = with_suite_codegen(flags)
 # The XLA flag `feynrl-jax` itself sets with several CPU devices (`feynrl_jax/cli/xla_flags.py`: collectives in
 # program order, no deadlock with more devices than cores), here for this process and the processes it starts with
 # its environment (a test that sets XLA_FLAGS for a subprocess sets its own). The in-process runs and their Ray
-# actors then compile exactly the programs of the CLI runs, and XLA_FLAGS is part of the persistent cache's key, so
-# each program is compiled once per session, not once per kind of run.
+# actors then compile exactly the programs of the CLI runs of their kind (the same flags: the same backend
+# optimisation level too), and XLA_FLAGS is part of the persistent cache's key, so each program is compiled once
+# per session, not once per kind of run.
 from feynrl_jax.cli.xla_flags import set_cpu_collective_flags  # noqa: E402
 
 set_cpu_collective_flags(os.environ)
