@@ -4,7 +4,7 @@ level, and what the suite checks at level 0 holds at the default level, where us
 The model's log-probabilities and their gradient, three GRPO train steps and the native engine's greedy and sampled
 decoding, each computed in two fresh one-device processes, one at XLA's default level and one at this session's,
 agree to float32 rounding. Any tolerance below is a bound on float32 rounding of the sums involved (XLA:CPU compiles
-without fast-math, so the two levels differ only in fused multiply-adds and reduction order); a miscompiled or
+without fast-math, so the two levels may differ in rounding only, as fused multiply-adds do); a miscompiled or
 differently lowered program is off by orders of magnitude more.
 """
 
