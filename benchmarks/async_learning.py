@@ -224,9 +224,12 @@ def verdict(runs: list[dict], async_k: int) -> dict:
     }
 
 
-def plot_curves(runs: list[dict], path: str, *, colour, label, xlabel: str, ylabel: str, title: str) -> None:
+def plot_curves(
+    runs: list[dict], path: str, *, colour, label, xlabel: str, ylabel: str, title: str, means: dict | None = None
+) -> None:
     """Held-out accuracy against wall time, one line per run (`eval_seconds`, `eval_accuracy`), a marker per seed;
-    `colour(run)` and `label(run)` name each line. Drawn on a `Figure`: the pyplot backend is left alone."""
+    `colour(run)` and `label(run)` name each line. `means`: label -> `(seconds, accuracy, colour)`, curves drawn
+    thick as steps (each value held until the next). Drawn on a `Figure`: the pyplot backend is left alone."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
@@ -241,6 +244,8 @@ def plot_curves(runs: list[dict], path: str, *, colour, label, xlabel: str, ylab
             marker=markers[seeds.index(r["seed"]) % len(markers)],
             label=label(r),
         )
+    for name, (seconds, accuracy, line_colour) in (means or {}).items():
+        ax.plot(seconds, accuracy, color=line_colour, drawstyle="steps-post", linewidth=3, alpha=0.45, label=name)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

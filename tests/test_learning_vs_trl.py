@@ -1,0 +1,64 @@
+"""`benchmarks/learning_vs_trl.py`'s verdict, from saved runs: the per-seed and seed-mean times to a common accuracy.
+
+The script reuses finished runs from its `--workdir` (one JSON per side and seed) and only summarises them, so
+hand-made curves whose answers are worked out below go through the same code as a measurement does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {"steps": 2, "eval_every": 1, "trl_eval_every": 1, "precision": "float32"}
+
+
+def saved_run(side: str, seed: int, seconds: list[float], accuracy: list[float], budget: float | None) -> dict:
+    return {
+        "eval_steps": list(range(len(seconds))),
+        "eval_seconds": seconds,
+        "eval_accuracy": accuracy,
+        "eval_prompts": 64,
+        "wall_seconds": seconds[-1],
+        "seed": seed,
+        "side": side,
+        "settings": SETTINGS,
+        "budget": budget,
+        "accuracy_before": accuracy[0],
+        "accuracy_after": accuracy[-1],
+    }
+
+
+def test_the_verdict_per_seed_and_on_the_mean_over_seeds(tmp_path):
+    runs = [
+        saved_run("ours", 0, [0.0, 10.0, 20.0], [0.2, 0.5, 0.6], None),
+        saved_run("trl", 0, [0.0, 8.0, 19.0], [0.2, 0.6, 0.5], 20.0),
+        saved_run("ours", 1, [0.0, 11.0, 21.0], [0.2, 0.4, 0.6], None),
+        saved_run("trl", 1, [0.0, 9.0, 20.0], [0.2, 0.2, 0.4], 21.0),
+    ]
+    for run in runs:
+        (tmp_path / f"{run['side']}_seed{run['seed']}.json").write_text(json.dumps(run))
+    out = tmp_path / "verdict.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "learning_vs_trl.py"), "--seeds", "0", "1", "--steps", "2"]
+    command += ["--workdir", str(tmp_path), "--json", str(out), "--plot", str(tmp_path / "curves.png")]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reusing" in done.stderr  # nothing was trained
+    verdict = json.loads(out.read_text())["verdict"]
+
+    # Per seed, the lower of the two final accuracies: seed 0 0.5 (ours at 10 s, TRL at 8 s), seed 1 0.4 (ours at
+    # 11 s, TRL at 20 s).
+    assert verdict["common_target_accuracy"] == [0.5, 0.4]
+    assert verdict["ours_seconds_to_target"] == [10.0, 11.0]
+    assert verdict["trl_seconds_to_target"] == [8.0, 20.0]
+    # On the mean over seeds: the target is TRL's mean final accuracy (0.45 < ours' 0.6). Ours' mean curve is 0.2,
+    # 0.35 (10 s), 0.45 (11 s); TRL's 0.2, 0.4 (8 s), 0.4 (9 s), 0.35 (19 s: seed 0 fell to 0.5), 0.45 (20 s).
+    assert abs(verdict["mean_curve_target_accuracy"] - 0.45) < 1e-12
+    assert verdict["ours_mean_curve_seconds_to_target"] == 11.0
+    assert verdict["trl_mean_curve_seconds_to_target"] == 20.0
+    assert verdict["ours_gain_at_least_trls"] is True
+    assert (tmp_path / "curves.png").stat().st_size > 0
