@@ -413,8 +413,8 @@ def time_on_curve(curve: tuple[list[float], list[float]], target: float) -> floa
 
 
 def summarise(runs: list[dict]) -> dict:
-    """The claim's numbers: each side's gain at equal wall time, and when each side first reached the lower of the
-    two final accuracies (a level both reached), per seed and on the mean over seeds. Ours is evaluated every
+    """The claim's numbers: each side's gain at equal wall time, and when each side first reached a level both
+    reached, per seed and on the mean over seeds (below). Ours is evaluated every
     `--eval-every` steps, TRL every `--trl-eval-every`, so a coarser cadence can only make a side look later.
 
     Per seed, one run of each side is compared, and the target is the lower of their two final accuracies. On the
