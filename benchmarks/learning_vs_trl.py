@@ -75,6 +75,7 @@ from feynrl_jax.host_memory import reexec_with_allocator_tunables
 reexec_with_allocator_tunables()  # before JAX or torch allocate: both sides run with it
 
 COLOURS = {"ours": "tab:blue", "trl": "tab:orange"}
+NAMES = {"ours": "feynrl-jax", "trl": "TRL 1.16"}
 
 
 def run_config(args, seed: int):
@@ -436,11 +437,11 @@ def summarise(runs: list[dict]) -> dict:
     before = _mean([r["accuracy_before"] for r in runs])
     common_gain = min(_mean(gain["ours"]), _mean(gain["trl"]))
     curves = {"ours": mean_curve(ours), "trl": mean_curve(trl)}
-    mean_targets = [
-        {"fraction": f, "accuracy": before + f * common_gain}
-        | {f"{side}_seconds": time_on_curve(curve, before + f * common_gain) for side, curve in curves.items()}
-        for f in MEAN_CURVE_FRACTIONS
-    ]
+    mean_targets = []
+    for fraction in MEAN_CURVE_FRACTIONS:
+        level = before + fraction * common_gain
+        seconds = {f"{side}_seconds": time_on_curve(curve, level) for side, curve in curves.items()}
+        mean_targets.append({"fraction": fraction, "accuracy": level} | seconds)
     return {
         "ours_gain_mean": _mean(gain["ours"]),
         "ours_gain_std": _std(gain["ours"]),
@@ -476,16 +477,13 @@ def plot(runs: list[dict], path: str, precision: str) -> None:
         runs,
         path,
         colour=lambda r: COLOURS[r["side"]],
-        label=lambda r: f"{'feynrl-jax' if r['side'] == 'ours' else 'TRL 1.16'}, seed {r['seed']}",
+        label=lambda r: f"{NAMES[r['side']]}, seed {r['seed']}",
         xlabel="wall time of training (s, evaluations left out)",
         ylabel="held-out accuracy (greedy, 64 prompts)",
         title=f"grpo_demo, SmolLM2-135M, {precision}: feynrl-jax vs TRL at equal wall time",
         means={
-            f"{'feynrl-jax' if side == 'ours' else 'TRL 1.16'}, mean of the seeds": (
-                *mean_curve([r for r in runs if r["side"] == side]),
-                COLOURS[side],
-            )
-            for side in ("ours", "trl")
+            f"{NAMES[side]}, mean of the seeds": (*mean_curve([r for r in runs if r["side"] == side]), COLOURS[side])
+            for side in NAMES
         },
     )
 
