@@ -1,7 +1,7 @@
 """The SIGKILL / resume harness shared by the exact-resume tests (SFT and RL), as plain functions.
 
 A test writes a config file, runs `feynrl-jax train` in subprocesses with `start_train`, kills one with
-`kill_after_logged_step` once it has logged a given step (after its first checkpoint), resumes it with
+`kill_after_logged_step` once it has logged a given step and committed a checkpoint, resumes it with
 `start_train` + `wait_success`, and compares the straight and the interrupted run with `assert_same_metrics`
 and `assert_same_final_state` (bitwise). Not a test module: pytest imports it from the tests folder.
 """
@@ -83,18 +83,24 @@ def kill_after_logged_step(
     timeout: float,
     group: bool = False,
 ) -> int:
-    """SIGKILLs `proc` (its whole process group when `group`) as soon as the run has logged `step` or later.
+    """SIGKILLs `proc` (its whole process group when `group`) once the run has logged `step` or later and has
+    committed a checkpoint.
+
+    Saves are asynchronous: the checkpoint of step `save_every` may still be written in the background when a
+    later step is logged (on a loaded machine the writer thread lags), so waiting for the logged step alone can
+    kill a run before anything is committed to resume from.
 
     Returns:
         The newest committed checkpoint step left behind (asserted to be a real, unfinished one).
     """
     deadline = time.monotonic() + timeout
-    while not any(s >= step for s in logged_steps(run_dir)):
+    while not (any(s >= step for s in logged_steps(run_dir)) and latest_step(run_dir) is not None):
         if proc.poll() is not None:
             raise AssertionError(
-                f"the run exited (code {proc.returncode}) before step {step}: {proc.stderr.read()[-3000:]}"
+                f"the run exited (code {proc.returncode}) before step {step} and a committed checkpoint: "
+                f"{proc.stderr.read()[-3000:]}"
             )
-        assert time.monotonic() < deadline, f"step {step} never reached"
+        assert time.monotonic() < deadline, f"step {step} and a committed checkpoint never reached"
         time.sleep(0.002)
     if group:
         os.killpg(proc.pid, signal.SIGKILL)

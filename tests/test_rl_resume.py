@@ -11,9 +11,7 @@ resumed run regenerates the same rollouts.
 """
 
 import os
-import signal
 import textwrap
-import time
 
 import jax
 import numpy as np
@@ -21,7 +19,7 @@ import pytest
 import resume_harness as harness
 import rl_run_checks
 
-from feynrl_jax.checkpoints.train_state import TrainCheckpointer, latest_step
+from feynrl_jax.checkpoints.train_state import TrainCheckpointer
 from feynrl_jax.tracking import read_metrics
 
 TOTAL_STEPS = 4
@@ -93,18 +91,15 @@ def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace, staleness):
 
     run_dir = str(root / interrupted_name)
     proc = _train(root, env, interrupted_name)
-    deadline = time.monotonic() + 900
-    while KILL_AFTER_LOGGED_STEP not in harness.logged_steps(run_dir):
-        if proc.poll() is not None:
-            pytest.fail(f"the run exited (code {proc.returncode}) early: {proc.stderr.read()[-3000:]}")
-        assert time.monotonic() < deadline, f"step {KILL_AFTER_LOGGED_STEP} never reached"
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
-    committed = latest_step(run_dir)
-    assert committed is not None and SAVE_EVERY <= committed < TOTAL_STEPS
+    harness.kill_after_logged_step(
+        proc,
+        run_dir,
+        KILL_AFTER_LOGGED_STEP,
+        save_every=SAVE_EVERY,
+        total_steps=TOTAL_STEPS,
+        timeout=900,
+        group=True,
+    )
 
     final = _train(root, env, interrupted_name)
     _, err = final.communicate(timeout=900)
