@@ -73,6 +73,16 @@ def logged_steps(run_dir: str) -> list[int]:
     return steps
 
 
+def logged_and_committed(run_dir: str | os.PathLike, step: int) -> bool:
+    """Whether the run has logged `step` or later and has a committed checkpoint.
+
+    Saves are asynchronous: the checkpoint of an earlier step may still be written in the background when a later
+    step is logged (on a loaded machine the writer thread lags), so a test that waited for the logged step alone
+    could kill a run before anything is committed to resume from.
+    """
+    return any(s >= step for s in logged_steps(str(run_dir))) and latest_step(run_dir) is not None
+
+
 def kill_after_logged_step(
     proc: subprocess.Popen,
     run_dir: str,
@@ -84,17 +94,13 @@ def kill_after_logged_step(
     group: bool = False,
 ) -> int:
     """SIGKILLs `proc` (its whole process group when `group`) once the run has logged `step` or later and has
-    committed a checkpoint.
-
-    Saves are asynchronous: the checkpoint of step `save_every` may still be written in the background when a
-    later step is logged (on a loaded machine the writer thread lags), so waiting for the logged step alone can
-    kill a run before anything is committed to resume from.
+    committed a checkpoint (`logged_and_committed`).
 
     Returns:
         The newest committed checkpoint step left behind (asserted to be a real, unfinished one).
     """
     deadline = time.monotonic() + timeout
-    while not (any(s >= step for s in logged_steps(run_dir)) and latest_step(run_dir) is not None):
+    while not logged_and_committed(run_dir, step):
         if proc.poll() is not None:
             raise AssertionError(
                 f"the run exited (code {proc.returncode}) before step {step} and a committed checkpoint: "

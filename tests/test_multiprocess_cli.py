@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import resume_harness as harness
 
-from feynrl_jax.checkpoints.train_state import latest_step
 from feynrl_jax.tracking import read_metrics
 
 # jax.distributed heartbeats every few seconds (HEARTBEAT_S): `make test` runs the module in the serial pass, alone.
@@ -200,8 +199,7 @@ def test_a_killed_process_stops_the_other_then_the_job_resumes(workspace):
     run_dir = root / "sft_killed"
     procs = start_job(root, "sft/killed", 2)
     deadline = time.monotonic() + 300
-    # Past the first checkpoint's step and that checkpoint committed (saves finish in the background).
-    while not (any(s > SAVE_EVERY for s in harness.logged_steps(str(run_dir))) and latest_step(run_dir) is not None):
+    while not harness.logged_and_committed(run_dir, SAVE_EVERY + 1):
         assert all(p.poll() is None for p in procs), [p.stderr.read()[-2000:] for p in procs if p.poll() is not None]
         assert time.monotonic() < deadline, "the job never got past its first committed checkpoint"
         time.sleep(0.01)

@@ -85,9 +85,7 @@ def _final_policy(run_dir):
 def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace, staleness):
     root, env = workspace
     straight_name, interrupted_name = f"straight-k{staleness}", f"interrupted-k{staleness}"
-    straight = _train(root, env, straight_name)
-    _, err = straight.communicate(timeout=900)
-    assert straight.returncode == 0, err[-3000:]
+    harness.wait_success(_train(root, env, straight_name), timeout=900)
 
     run_dir = str(root / interrupted_name)
     proc = _train(root, env, interrupted_name)
@@ -101,9 +99,7 @@ def test_rl_run_killed_and_resumed_equals_a_straight_run(workspace, staleness):
         group=True,
     )
 
-    final = _train(root, env, interrupted_name)
-    _, err = final.communicate(timeout=900)
-    assert final.returncode == 0, err[-3000:]
+    harness.wait_success(_train(root, env, interrupted_name), timeout=900)
 
     # The straight run is also the suite's check of what every GRPO run logs, its steps and version lags among
     # them (tests/test_rl_algorithms.py runs the other algorithms).
