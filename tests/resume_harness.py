@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 
@@ -44,18 +45,31 @@ def subprocess_env(*, devices: int, rl: bool = False, **extra: str) -> dict[str,
     return env
 
 
+def popen(argv: list[str], env: dict[str, str], *, new_session: bool = False) -> subprocess.Popen:
+    """Starts `argv` with stdout discarded and stderr kept in a temporary file (`stderr_text`); `new_session` puts it
+    in its own process group (Ray)."""
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=new_session)
+    proc.stderr_file = err  # closed with the Popen object
+    return proc
+
+
+def stderr_text(proc: subprocess.Popen) -> str:
+    """What a `popen` process has written to stderr so far (read at an offset: the process's own stays where it is)."""
+    fd = proc.stderr_file.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
 def start_train(config_spec: str, env: dict[str, str], *, new_session: bool = False) -> subprocess.Popen:
-    """Starts `feynrl-jax train --config=<config_spec>`; `new_session` puts it in its own process group (Ray)."""
+    """Starts `feynrl-jax train --config=<config_spec>` (`popen`)."""
     command = [sys.executable, "-m", "feynrl_jax.cli.main", "train", f"--config={config_spec}"]
-    return subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=new_session
-    )
+    return popen(command, env, new_session=new_session)
 
 
 def wait_success(proc: subprocess.Popen, *, timeout: float) -> None:
-    """Waits for `proc` and fails with the end of its stderr unless it exited with 0."""
-    _, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"run exited with {proc.returncode}: {err[-3000:]}"
+    """Waits for a `popen` process and fails with the end of its stderr unless it exited with 0."""
+    proc.wait(timeout=timeout)
+    assert proc.returncode == 0, f"run exited with {proc.returncode}: {stderr_text(proc)[-3000:]}"
 
 
 def logged_steps(run_dir: str) -> list[int]:
@@ -104,7 +118,7 @@ def kill_after_logged_step(
         if proc.poll() is not None:
             raise AssertionError(
                 f"the run exited (code {proc.returncode}) before step {step} and a committed checkpoint: "
-                f"{proc.stderr.read()[-3000:]}"
+                f"{stderr_text(proc)[-3000:]}"
             )
         assert time.monotonic() < deadline, f"step {step} and a committed checkpoint never reached"
         time.sleep(0.002)
@@ -113,7 +127,6 @@ def kill_after_logged_step(
     else:
         proc.send_signal(signal.SIGKILL)
     proc.wait()
-    proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL, f"the run was not killed (exit code {proc.returncode})"
     committed = latest_step(run_dir)
     assert committed is not None and save_every <= committed < total_steps, committed

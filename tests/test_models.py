@@ -23,6 +23,7 @@ from feynrl_jax.models import (
     sequence_logprobs,
     unstack_layers,
 )
+from feynrl_jax.models.logprobs import chunk_positions
 
 TINY = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
@@ -248,14 +249,25 @@ def _reference_logprobs(params, config, tokens, temperature):
     return np.concatenate([pad, lp], 1), np.concatenate([pad, ent], 1)
 
 
-@pytest.mark.parametrize("chunk_size, temperature", [(1, 1.0), (3, 0.7), (1000, 0.7)])
-def test_sequence_logprobs_match_log_softmax(chunk_size, temperature):
+@pytest.mark.parametrize(
+    "chunk_size, chunk_tokens, temperature",
+    # 1000 x 1 and 1000 x 6: the token-slot cap decides the chunk (1 and 3 columns of both rows), not chunk_size.
+    [(1, 1024, 1.0), (3, 1024, 0.7), (1000, 1024, 0.7), (1000, 1, 0.7), (1000, 6, 1.0)],
+)
+def test_sequence_logprobs_match_log_softmax(chunk_size, chunk_tokens, temperature):
     params = _scaled_params(TINY)
     tokens = _tokens(2, 9)
     want_lp, want_ent = _reference_logprobs(params, TINY, tokens, temperature)
     lp, ent = jax.jit(
         lambda p, x: sequence_logprobs(
-            p, x, _positions(2, 9), config=TINY, temperature=temperature, with_entropy=True, chunk_size=chunk_size
+            p,
+            x,
+            _positions(2, 9),
+            config=TINY,
+            temperature=temperature,
+            with_entropy=True,
+            chunk_size=chunk_size,
+            chunk_tokens=chunk_tokens,
         )
     )(params, tokens)
     assert lp.shape == ent.shape == (2, 9)
@@ -288,6 +300,35 @@ def test_sequence_logprobs_never_builds_full_float32_logits():
     vocab_sized = [s for s in shapes if s and s[-1] == v and len(s) >= 3]
     assert vocab_sized, "expected chunked [B, C, V] logits"
     assert max(int(np.prod(s[:-1])) for s in vocab_sized) <= b * 4, vocab_sized
+
+
+def test_logit_chunks_hold_at_most_chunk_tokens_slots_whatever_the_rows():
+    """With room for the whole sequence in `chunk_size`, the token-slot cap bounds a chunk: 8 rows x 2 columns for a
+    cap of 16, 1 column of 32 rows for a cap of 16 (never less than a column), and the gradient is unchanged."""
+    params = _scaled_params(TINY, scale=3.0)
+
+    def chunks_and_grads(b, chunk_tokens):
+        tokens = _tokens(b, 12)
+
+        def loss(p):
+            lp, _ = sequence_logprobs(
+                p, tokens, _positions(b, 12), config=TINY, chunk_size=256, chunk_tokens=chunk_tokens
+            )
+            return lp.sum()
+
+        shapes = _float_shapes(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+        widest = max(int(np.prod(s[:-1])) for s in shapes if len(s) >= 3 and s[-1] == TINY.vocab_size)
+        return widest, jax.jit(jax.grad(loss))(params)
+
+    assert chunk_positions(8, 11, 256, 16) == 2 and chunk_positions(32, 11, 256, 16) == 1
+    for rows, cap, widest in [(8, 16, 16), (32, 16, 32), (8, 10**6, 8 * 11)]:
+        assert chunks_and_grads(rows, cap)[0] == widest
+    _, capped = chunks_and_grads(8, 16)
+    _, whole = chunks_and_grads(8, 10**6)
+    # The same sums in other groupings: float32 rounding of ~100 terms, ~1e-5 of the leaf's largest entry at most
+    # (measured: 2e-7); a chunk scored twice or missed changes entries by their own size.
+    for a, b in zip(jax.tree.leaves(capped), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
 
 
 def test_remat_policies_give_the_same_gradients():

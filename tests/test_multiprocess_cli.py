@@ -135,14 +135,15 @@ def start_job(
         argv = [sys.executable, "-m", "feynrl_jax.cli.main", command, f"--config={root / 'tiny.py'}:{spec}"]
         if resume:
             argv.append("--resume")
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(harness.popen(argv, env))
     return procs
 
 
 def wait_job(procs: list[subprocess.Popen], timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     for rank, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        err = harness.stderr_text(proc)
         assert proc.returncode == 0, f"process {rank} exited with {proc.returncode}: {err[-3000:]}"
 
 
@@ -200,13 +201,15 @@ def test_a_killed_process_stops_the_other_then_the_job_resumes(workspace):
     procs = start_job(root, "sft/killed", 2)
     deadline = time.monotonic() + 300
     while not harness.logged_and_committed(run_dir, SAVE_EVERY + 1):
-        assert all(p.poll() is None for p in procs), [p.stderr.read()[-2000:] for p in procs if p.poll() is not None]
+        exited = [harness.stderr_text(p)[-2000:] for p in procs if p.poll() is not None]
+        assert not exited, exited
         assert time.monotonic() < deadline, "the job never got past its first committed checkpoint"
         time.sleep(0.01)
     procs[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     procs[1].wait()
-    _, err = procs[0].communicate(timeout=HEARTBEAT_S + 60)
+    procs[0].wait(timeout=HEARTBEAT_S + 60)
+    err = harness.stderr_text(procs[0])
     stopped_after = time.monotonic() - killed_at
     assert procs[0].returncode == 1, (procs[0].returncode, err[-3000:])
     lines = err.strip().splitlines()

@@ -70,12 +70,7 @@ def run_rl(tmp_path, name: str, *, processes: int) -> Path:
         # the same tokens.
         "--config.optim.eps=1e-4",
     ]
-    import subprocess
-
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    harness.wait_success(proc, timeout=600)
+    harness.wait_success(harness.popen(command, env, new_session=True), timeout=600)
     return run_dir
 
 

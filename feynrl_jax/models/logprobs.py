@@ -3,6 +3,13 @@
 The output projection, log-softmax and gather run over chunks of the sequence inside `lax.map`; each chunk
 is wrapped in `jax.checkpoint`, so the backward pass recomputes a chunk's logits instead of storing them:
 peak memory holds one `[B, chunk, V]` float32 block, not `[B, T, V]`.
+
+A chunk spans all `B` rows and `chunk_positions` columns: at most `chunk_size` columns and at most `chunk_tokens`
+token slots (`B x chunk`), so its logits stay the same size however many rows a pass holds. Chunks run along the
+sequence, never across rows, so a batch sharded over its rows stays sharded. Measured with XLA's
+`memory_analysis()` of a SmolLM2-135M forward and backward pass (32 rows, 96 prompt and 128 or 256 completion
+columns, `benchmarks/bench_logprob_chunks.py`): 2.00 and 3.80 GiB of temporary buffers with 256-column chunks of all
+rows, 1.03 and 1.76 GiB with chunks of 1,024 token slots; smaller chunks saved nothing more.
 """
 
 from __future__ import annotations
@@ -15,6 +22,16 @@ from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import Params, forward, logits
 from feynrl_jax.models.segments import predecessor_index
 
+CHUNK_TOKENS = 1024
+"""Token slots (rows x columns) of one chunk of the output projection by default: 1,024 x a 49,152-token vocabulary
+is 192 MiB of float32 logits per copy."""
+
+
+def chunk_positions(rows: int, n: int, chunk_size: int = 256, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """Columns per chunk of `token_logprobs_from_hidden` for `rows` rows of `n` columns: at most `chunk_size`
+    columns and `chunk_tokens` token slots, at least one column."""
+    return max(1, min(chunk_size, n, chunk_tokens // max(rows, 1)))
+
 
 def token_logprobs_from_hidden(
     params: Params,
@@ -25,6 +42,7 @@ def token_logprobs_from_hidden(
     temperature: float | jax.Array = 1.0,
     with_entropy: bool = False,
     chunk_size: int = 256,
+    chunk_tokens: int = CHUNK_TOKENS,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log p(target | hidden) for every position, chunked over the sequence.
 
@@ -35,13 +53,14 @@ def token_logprobs_from_hidden(
         config: the model config.
         temperature: logits are divided by it before the softmax.
         with_entropy: also return the entropy of each predictive distribution.
-        chunk_size: positions per chunk.
+        chunk_size: the most positions per chunk.
+        chunk_tokens: the most token slots (`B x positions`) per chunk (`chunk_positions`).
 
     Returns:
         `(logprobs [B, N] f32, entropy [B, N] f32 or None)`.
     """
     b, n, d = hidden.shape
-    chunk = max(1, min(chunk_size, n))
+    chunk = chunk_positions(b, n, chunk_size, chunk_tokens)
     num_chunks = -(-n // chunk)
     pad = num_chunks * chunk - n
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
@@ -99,6 +118,7 @@ def sequence_logprobs(
     temperature: float | jax.Array = 1.0,
     with_entropy: bool = False,
     chunk_size: int = 256,
+    chunk_tokens: int = CHUNK_TOKENS,
     remat: str | None = None,
     first_column: int = 1,
     dropout_rng: jax.Array | None = None,
@@ -120,7 +140,8 @@ def sequence_logprobs(
         segment_ids: `[B, T]` int32 (0 = padding) or None.
         temperature: logits are divided by it before the softmax.
         with_entropy: also compute the entropy.
-        chunk_size: sequence positions per chunk of the output projection.
+        chunk_size: the most sequence positions per chunk of the output projection.
+        chunk_tokens: the most token slots (rows x positions) per chunk (`chunk_positions`).
         remat: rematerialisation policy passed to `forward`.
         first_column: static; no token before this column is scored (an RL batch whose completions all start
             at or after a known column skips the output projection over its prompts).
@@ -154,6 +175,7 @@ def sequence_logprobs(
         temperature=temperature,
         with_entropy=with_entropy,
         chunk_size=chunk_size,
+        chunk_tokens=chunk_tokens,
     )
     first = jnp.zeros((b, start), jnp.float32)
     lp = jnp.concatenate([first, jnp.where(valid, lp, 0.0)], axis=1)

@@ -9,12 +9,13 @@ even at its smallest, or an explicit `train.micro_batch_size` whose estimate exc
 naming the key to lower, instead of a process the kernel's OOM killer ends.
 
 The activation estimate (`activation_bytes_per_token`) counts what XLA keeps per token and layer for the backward
-pass in the compute dtype: about `8 D + 7 I` values for the projections, norms and MLP, `2 H W` for attention
-scores and probabilities over a row of `W` columns, and `3 V` for the output projection's chunk of logits
-(`models.logprobs`, one chunk of up to 256 positions per row at a time). With `model.remat` "dots" or "full" a
-layer keeps only what the policy saves and one layer is recomputed at a time. The constants were fitted to
-XLA:CPU's `memory_analysis()` of the SmolLM2-135M train step (float32, rows of 128 and 256 columns, 2.6-2.9 MB
-per token measured); `tests/test_packed_units.py` checks the estimate against `memory_analysis()` of small models.
+pass in the compute dtype: about `8 D + 7 I` values for the projections, norms and MLP, and `2 H W` for attention
+scores and probabilities over a row of `W` columns. With `model.remat` "dots" or "full" a layer keeps only what the
+policy saves and one layer is recomputed at a time. The output projection's logits live one chunk at a time
+(`models.logprobs`: all rows, at most 256 columns and 1,024 token slots), about `3 V` float32 values per token slot
+of the chunk (`logits_bytes`): a fixed amount once a micro-batch holds more token slots than a chunk. The constants
+were fitted to XLA:CPU's `memory_analysis()` of the SmolLM2-135M train step (float32, rows of 128 and 256 columns);
+`tests/test_packed_units.py` checks the estimate against `memory_analysis()` of small models.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from feynrl_jax.config.derived import BatchPlan
 from feynrl_jax.models import ModelConfig
+from feynrl_jax.models.logprobs import chunk_positions
 from feynrl_jax.train.step import ParamsSpec
 
 log = logging.getLogger(__name__)
@@ -39,8 +41,9 @@ HOST_SHARE = 0.4
 DEVICE_SHARE = 0.7
 
 
-def activation_bytes_per_token(config: ModelConfig, width: int, *, chunk_size: int = 256) -> int:
-    """Estimated bytes a train step's backward pass keeps per token of a micro-batch of rows `width` wide."""
+def activation_bytes_per_token(config: ModelConfig, width: int) -> int:
+    """Estimated bytes a train step's backward pass keeps per token of a micro-batch of rows `width` wide in its
+    layers (the output projection's logits apart: `logits_bytes`)."""
     c = config
     size = jnp.dtype(c.compute_dtype).itemsize
     layer = 8 * c.hidden_size + 7 * c.intermediate_size + 2 * c.num_heads * width
@@ -50,8 +53,13 @@ def activation_bytes_per_token(config: ModelConfig, width: int, *, chunk_size: i
     else:  # the saved layer inputs ("full") or projection outputs ("dots"), plus one layer recomputed
         saved = c.hidden_size if remat == "full" else 4 * c.hidden_size + 2 * c.intermediate_size
         kept = c.num_layers * saved + layer
-    logits = 3 * c.vocab_size * min(chunk_size, width) / width  # float32, one chunk of each row at a time
-    return int(kept * size + logits * 4)
+    return int(kept * size)
+
+
+def logits_bytes(config: ModelConfig, rows: int, width: int) -> int:
+    """Estimated bytes of the output projection's chunk of float32 logits in a train step's pass over `rows` rows of
+    `width` columns (`models.logprobs.chunk_positions`)."""
+    return 3 * config.vocab_size * 4 * rows * chunk_positions(rows, width)
 
 
 def state_bytes(config: ModelConfig) -> int:
@@ -189,9 +197,12 @@ def rl_micro_batch(
             return max(rows, shared)
         return rows
 
-    def estimate(d: int) -> int:
+    def activations(d: int) -> int:
         tokens, width = slots(d)
-        return fixed + tokens * activation_bytes_per_token(model, width)
+        return tokens * activation_bytes_per_token(model, width) + logits_bytes(model, tokens // width, width)
+
+    def estimate(d: int) -> int:
+        return fixed + activations(d)
 
     mini = plan.mini_batch_size
     # Suggested only where it would change something (model.remat="auto" is already "full" on a CPU).
@@ -219,10 +230,12 @@ def rl_micro_batch(
             )
     else:
         allowed = int(free_total * share) - fixed
-        fits = [d for d in candidates if estimate(d) - fixed <= allowed]
+        fits = [d for d in candidates if activations(d) <= allowed]
         fine = [d for d in fits if d * min_micro_batches <= mini]
         fits = fine or fits[-1:]
-        budget = max(allowed, 0) // max(activation_bytes_per_token(model, slots(candidates[-1])[1]), 1)
+        tokens, width = slots(candidates[-1])
+        per_token = max(activation_bytes_per_token(model, width), 1)
+        budget = max(allowed - logits_bytes(model, tokens // width, width), 0) // per_token
         if not fits:
             raise ValueError(
                 f"the smallest RL micro-batch ({candidates[-1]} sequence(s) of up to {seq_len} tokens) needs about "
