@@ -276,11 +276,12 @@ def test_budget_refuses_what_cannot_fit_naming_the_key():
     assert "model.remat" not in str(refused.value)
 
 
-@pytest.mark.parametrize("remat, width", [("none", 128), ("full", 128)])
+@pytest.mark.parametrize("remat, width", [("none", 128), ("full", 128), ("full", 256)])
 def test_activation_estimate_follows_xla(remat, width):
     """The estimate against XLA's own `memory_analysis()` of the train step: the growth of its temporary buffers
     from 2 to 6 rows (the layers' activations and the chunk of logits), per added token, within a factor of 2 (the
-    constants were fitted on SmolLM2-135M; this checks that they carry to another shape, not a tuned value)."""
+    constants were fitted on SmolLM2-135M; this checks that they carry to another shape, not a tuned value). At 256
+    columns the 6 rows pass the chunk's cap of token slots: their chunk holds 170 columns, not all 255."""
     config = dataclasses.replace(TINY, num_layers=4, intermediate_size=256, vocab_size=512, remat=remat)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     optimizer, _ = make_optimizer(1e-3, warmup_steps=0, total_steps=10, schedule="constant")
@@ -301,6 +302,40 @@ def test_activation_estimate_follows_xla(remat, width):
 
     estimate = (activations(6) - activations(2)) / (4 * width)
     assert 0.5 <= estimate / measured <= 2.0, (estimate, measured)
+
+
+def test_each_batch_shard_holds_a_chunk_of_chunk_tokens_logit_slots(monkeypatch):
+    """Rows split over 8 batch shards: the train step's and the no-grad pass's logit chunks are sized by what each
+    shard holds (`CHUNK_TOKENS` slots on each), not by all shards together, which would make every shard's chunk 8x
+    narrower. With a cap of 4 slots a shard, 16 rows of 11 scored columns: 2 columns of all 16 rows (32 slots, 4 on
+    each shard), where a cap of 4 in all would give 1 column (the least a chunk holds)."""
+    import test_models
+
+    from feynrl_jax.train import frozen_logprobs
+    from feynrl_jax.train import step as step_module
+    from feynrl_jax.train.frozen_logprobs import make_logprob_fn
+
+    monkeypatch.setattr(step_module, "CHUNK_TOKENS", 4)
+    monkeypatch.setattr(frozen_logprobs, "CHUNK_TOKENS", 4)
+    config = dataclasses.replace(TINY, num_layers=1)
+    mesh = make_mesh(8, 1, 1)
+    rows, width = 16, 12
+    shape = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+    fshape = jax.ShapeDtypeStruct((rows, width), jnp.float32)
+
+    def widest(jaxpr) -> int:
+        shapes = test_models._float_shapes(jaxpr.jaxpr)
+        return max(int(np.prod(s[:-1])) for s in shapes if len(s) >= 3 and s[-1] == config.vocab_size)
+
+    optimizer, _ = make_optimizer(1e-3, warmup_steps=0, total_steps=10, schedule="constant")
+    step = make_algorithm_train_step(
+        ALGORITHMS["grpo"], optimizer, mesh, RULES["dp"], config=config, hyperparameters={"kl_coef": 0.0}
+    )
+    batch = TrainBatch(shape, shape, shape, fshape, fshape, fshape)
+    assert widest(jax.make_jaxpr(step._jitted)(step.abstract_state, {}, batch)) == 2 * rows
+    frozen = make_logprob_fn(config, mesh, RULES["dp"], chunk_rows=rows)
+    params = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+    assert widest(jax.make_jaxpr(frozen)(params, shape, shape, shape)) == 2 * rows
 
 
 # ---------------------------------------------------------------- the RL trainer

@@ -5,11 +5,13 @@ is wrapped in `jax.checkpoint`, so the backward pass recomputes a chunk's logits
 peak memory holds one `[B, chunk, V]` float32 block, not `[B, T, V]`.
 
 A chunk spans all `B` rows and `chunk_positions` columns: at most `chunk_size` columns and at most `chunk_tokens`
-token slots (`B x chunk`), so its logits stay the same size however many rows a pass holds. Chunks run along the
-sequence, never across rows, so a batch sharded over its rows stays sharded. Measured with XLA's
-`memory_analysis()` of a SmolLM2-135M forward and backward pass (32 rows, 96 prompt and 128 or 256 completion
-columns, `benchmarks/bench_logprob_chunks.py`): 2.00 and 3.80 GiB of temporary buffers with 256-column chunks of all
-rows, 1.03 and 1.76 GiB with chunks of 1,024 token slots; smaller chunks saved nothing more.
+token slots (`B x chunk`; at least one column), so its logits stay one size however many rows a pass holds, up to
+`chunk_tokens` rows. Chunks run along the sequence, never across rows, so a batch sharded over its rows stays sharded;
+these functions see the global rows, so a caller whose rows are split over `k` batch shards passes `k x
+CHUNK_TOKENS` and each device's chunk holds `CHUNK_TOKENS` slots (`train.step`, `train.frozen_logprobs`). Measured
+with XLA's `memory_analysis()` of a SmolLM2-135M forward and backward pass on one device (32 rows, 96 prompt and 128
+or 256 completion columns, `benchmarks/bench_logprob_chunks.py`): 2.00 and 3.80 GiB of temporary buffers with
+256-column chunks of all rows, 1.03 and 1.76 GiB with chunks of 1,024 token slots.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from feynrl_jax.models.config import ModelConfig
 from feynrl_jax.models.decoder import Params, forward, logits
 from feynrl_jax.models.segments import predecessor_index
 
+CHUNK_SIZE = 256
+"""The most columns of one chunk of the output projection by default."""
 CHUNK_TOKENS = 1024
-"""Token slots (rows x columns) of one chunk of the output projection by default: 1,024 x a 49,152-token vocabulary
-is 192 MiB of float32 logits per copy."""
+"""The most token slots (rows x columns) of one chunk of the output projection on one batch shard by default: 1,024 x
+a 49,152-token vocabulary is 192 MiB of float32 logits per copy."""
 
 
-def chunk_positions(rows: int, n: int, chunk_size: int = 256, chunk_tokens: int = CHUNK_TOKENS) -> int:
+def chunk_positions(rows: int, n: int, chunk_size: int = CHUNK_SIZE, chunk_tokens: int = CHUNK_TOKENS) -> int:
     """Columns per chunk of `token_logprobs_from_hidden` for `rows` rows of `n` columns: at most `chunk_size`
     columns and `chunk_tokens` token slots, at least one column."""
     return max(1, min(chunk_size, n, chunk_tokens // max(rows, 1)))
@@ -41,7 +45,7 @@ def token_logprobs_from_hidden(
     config: ModelConfig,
     temperature: float | jax.Array = 1.0,
     with_entropy: bool = False,
-    chunk_size: int = 256,
+    chunk_size: int = CHUNK_SIZE,
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> tuple[jax.Array, jax.Array | None]:
     """log p(target | hidden) for every position, chunked over the sequence.
@@ -54,7 +58,7 @@ def token_logprobs_from_hidden(
         temperature: logits are divided by it before the softmax.
         with_entropy: also return the entropy of each predictive distribution.
         chunk_size: the most positions per chunk.
-        chunk_tokens: the most token slots (`B x positions`) per chunk (`chunk_positions`).
+        chunk_tokens: the most token slots (`B x positions`, all shards together) per chunk (`chunk_positions`).
 
     Returns:
         `(logprobs [B, N] f32, entropy [B, N] f32 or None)`.
@@ -117,7 +121,7 @@ def sequence_logprobs(
     segment_ids: jax.Array | None = None,
     temperature: float | jax.Array = 1.0,
     with_entropy: bool = False,
-    chunk_size: int = 256,
+    chunk_size: int = CHUNK_SIZE,
     chunk_tokens: int = CHUNK_TOKENS,
     remat: str | None = None,
     first_column: int = 1,
@@ -141,7 +145,7 @@ def sequence_logprobs(
         temperature: logits are divided by it before the softmax.
         with_entropy: also compute the entropy.
         chunk_size: the most sequence positions per chunk of the output projection.
-        chunk_tokens: the most token slots (rows x positions) per chunk (`chunk_positions`).
+        chunk_tokens: the most token slots (rows x positions, all shards together) per chunk (`chunk_positions`).
         remat: rematerialisation policy passed to `forward`.
         first_column: static; no token before this column is scored (an RL batch whose completions all start
             at or after a known column skips the output projection over its prompts).

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, logical_axes, sequence_logprobs
+from feynrl_jax.models.logprobs import CHUNK_SIZE, CHUNK_TOKENS
 from feynrl_jax.sharding import batch_size_multiple, param_shardings, replicated
 from feynrl_jax.sharding.rules import Rules, batch_pspec
 from feynrl_jax.train.microbatch import check_divisible, merge_microbatches, split_microbatches
@@ -31,7 +32,7 @@ def make_logprob_fn(
     chunk_rows: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    seq_chunk_size: int = 256,
+    seq_chunk_size: int = CHUNK_SIZE,
     first_column: int = 1,
     segment_bounds: SegmentBounds | None = None,
     compiler_options: Mapping[str, Any] | None = None,
@@ -45,7 +46,8 @@ def make_logprob_fn(
         chunk_rows: rows per forward pass; ``B`` must be a multiple of it and it a multiple of ``data * fsdp``.
         temperature: the sampling temperature (logits are divided by it), as in the train step.
         with_entropy: also return the entropy.
-        seq_chunk_size: sequence chunk of the output projection.
+        seq_chunk_size: the most sequence columns per chunk of the output projection; a chunk also holds at most
+            ``models.logprobs.CHUNK_TOKENS`` token slots on each batch shard.
         first_column: no token before this column is scored (the shared-prefix layout's prompt width).
         segment_bounds: static bounds on the rows' segments (``models.SegmentBounds``), or None.
         compiler_options: XLA options for the program (see ``make_train_step``).
@@ -71,6 +73,7 @@ def make_logprob_fn(
             temperature=temperature,
             with_entropy=with_entropy,
             chunk_size=seq_chunk_size,
+            chunk_tokens=CHUNK_TOKENS * shards,
             first_column=first_column,
             segment_bounds=segment_bounds,
         )

@@ -63,6 +63,7 @@ from feynrl_jax.losses import Algorithm, TrainBatch, compute_metrics, get_algori
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig, SegmentBounds, as_param_dtype, lora, quant
+from feynrl_jax.models.logprobs import CHUNK_TOKENS
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
 from feynrl_jax.sharding import batch_size_multiple, host_tree, mesh_shape
 from feynrl_jax.train import run_setup, token_budget
@@ -487,6 +488,7 @@ class RLTrainer:
             loss = with_logprob_diagnostics(loss, pass_entropy=self.algorithm.uses_entropy)
         predict = model_logprob_fn(
             self.model_config,
+            chunk_tokens=CHUNK_TOKENS * batch_size_multiple(self.mesh),  # each batch shard's chunk: CHUNK_TOKENS
             temperature=settings.temperature,
             first_column=1 if self.pack else first_column,
             with_entropy=self.algorithm.uses_entropy or not settings.separate_old_pass,

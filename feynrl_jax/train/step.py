@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding
 from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics
 from feynrl_jax.losses.metrics import Metric, last_metric, scalar_metric
 from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, logical_axes, lora, sequence_logprobs
+from feynrl_jax.models.logprobs import CHUNK_SIZE, CHUNK_TOKENS
 from feynrl_jax.sharding import (
     batch_size_multiple,
     optimizer_state_shardings,
@@ -132,7 +133,8 @@ def model_logprob_fn(
     config: ModelConfig,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 256,
+    chunk_size: int = CHUNK_SIZE,
+    chunk_tokens: int = CHUNK_TOKENS,
     remat: str | None = None,
     first_column: int = 1,
     with_entropy: bool = False,
@@ -143,7 +145,10 @@ def model_logprob_fn(
     Args:
         config: the model config.
         temperature: the sampling temperature the rollouts used (logits are divided by it).
-        chunk_size: sequence positions per chunk of the output projection (bounds the ``[B, T, V]`` logits).
+        chunk_size: the most sequence positions per chunk of the output projection (bounds the ``[B, T, V]``
+            logits).
+        chunk_tokens: the most token slots (rows x positions) per chunk, all batch shards together: a step whose
+            rows are split over ``k`` shards passes ``k x models.logprobs.CHUNK_TOKENS``.
         remat: rematerialisation policy for the layers ("none", "full", "dots"; None: ``config.remat``).
         first_column: no token before this column is scored (the shared-prefix layout's prompt width).
         with_entropy: also return the entropy of each predictive distribution (else None); the step then passes
@@ -166,6 +171,7 @@ def model_logprob_fn(
             temperature=temperature,
             with_entropy=with_entropy,
             chunk_size=chunk_size,
+            chunk_tokens=chunk_tokens,
             remat=remat,
             first_column=first_column,
             dropout_rng=rng,
@@ -465,7 +471,7 @@ def make_algorithm_train_step(
     *,
     config: ModelConfig,
     hyperparameters: Mapping[str, Any] | None = None,
-    logprob_chunk_size: int = 256,
+    logprob_chunk_size: int = CHUNK_SIZE,
     remat: str | None = None,
     params_spec: ParamsSpec | None = None,
     **kwargs: Any,
@@ -484,7 +490,9 @@ def make_algorithm_train_step(
         rules: the rules table.
         config: the model config.
         hyperparameters: overrides of the algorithm's defaults (every key must be one of them).
-        logprob_chunk_size: sequence chunk of the output projection (``model_logprob_fn``'s ``chunk_size``).
+        logprob_chunk_size: the most sequence columns per chunk of the output projection (``model_logprob_fn``'s
+            ``chunk_size``); a chunk also holds at most ``models.logprobs.CHUNK_TOKENS`` token slots on each batch
+            shard.
         remat: rematerialisation policy passed to the model (None: ``config.remat``).
         params_spec: the state's params (None: ``ParamsSpec.of_model(config)``; float32 master weights:
             ``ParamsSpec.of_model(config).with_master_dtype("float32")``).
@@ -504,7 +512,11 @@ def make_algorithm_train_step(
         mesh,
         rules,
         predict=model_logprob_fn(
-            config, chunk_size=logprob_chunk_size, remat=remat, with_entropy=algorithm.uses_entropy
+            config,
+            chunk_size=logprob_chunk_size,
+            chunk_tokens=CHUNK_TOKENS * batch_size_multiple(mesh),
+            remat=remat,
+            with_entropy=algorithm.uses_entropy,
         ),
         params_spec=ParamsSpec.of_model(config) if params_spec is None else params_spec,
         rows_per_example=2 if algorithm.paradigm == "dpo" else 1,

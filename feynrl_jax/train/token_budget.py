@@ -12,10 +12,10 @@ The activation estimate (`activation_bytes_per_token`) counts what XLA keeps per
 pass in the compute dtype: about `8 D + 7 I` values for the projections, norms and MLP, and `2 H W` for attention
 scores and probabilities over a row of `W` columns. With `model.remat` "dots" or "full" a layer keeps only what the
 policy saves and one layer is recomputed at a time. The output projection's logits live one chunk at a time
-(`models.logprobs`: all rows, at most 256 columns and 1,024 token slots), about `3 V` float32 values per token slot
-of the chunk (`logits_bytes`): a fixed amount once a micro-batch holds more token slots than a chunk. The constants
-were fitted to XLA:CPU's `memory_analysis()` of the SmolLM2-135M train step (float32, rows of 128 and 256 columns);
-`tests/test_packed_units.py` checks the estimate against `memory_analysis()` of small models.
+(`models.logprobs`: all rows, at most 256 columns and 1,024 token slots on each batch shard), about `3 V` float32
+values per token slot of the chunk (`logits_bytes`): a fixed amount once a micro-batch holds more token slots than a
+chunk. The constants were fitted to XLA:CPU's `memory_analysis()` of the SmolLM2-135M train step (float32, rows of
+128 and 256 columns); `tests/test_packed_units.py` checks the estimate against `memory_analysis()` of small models.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from feynrl_jax.config.derived import BatchPlan
 from feynrl_jax.models import ModelConfig
-from feynrl_jax.models.logprobs import chunk_positions
+from feynrl_jax.models.logprobs import CHUNK_TOKENS, chunk_positions
 from feynrl_jax.train.step import ParamsSpec
 
 log = logging.getLogger(__name__)
@@ -56,10 +56,11 @@ def activation_bytes_per_token(config: ModelConfig, width: int) -> int:
     return int(kept * size)
 
 
-def logits_bytes(config: ModelConfig, rows: int, width: int) -> int:
-    """Estimated bytes of the output projection's chunk of float32 logits in a train step's pass over `rows` rows of
-    `width` columns (`models.logprobs.chunk_positions`)."""
-    return 3 * config.vocab_size * 4 * rows * chunk_positions(rows, width)
+def logits_bytes(config: ModelConfig, rows: int, width: int, shards: int = 1) -> int:
+    """Estimated bytes of the output projection's chunk of float32 logits, all shards together, in a train step's pass
+    over `rows` rows of `width` columns split over `shards` batch shards (`models.logprobs.chunk_positions`, at most
+    `CHUNK_TOKENS` token slots on each shard)."""
+    return 3 * config.vocab_size * 4 * rows * chunk_positions(rows, width, chunk_tokens=CHUNK_TOKENS * shards)
 
 
 def state_bytes(config: ModelConfig) -> int:
@@ -199,7 +200,7 @@ def rl_micro_batch(
 
     def activations(d: int) -> int:
         tokens, width = slots(d)
-        return tokens * activation_bytes_per_token(model, width) + logits_bytes(model, tokens // width, width)
+        return tokens * activation_bytes_per_token(model, width) + logits_bytes(model, tokens // width, width, shards)
 
     def estimate(d: int) -> int:
         return fixed + activations(d)
@@ -235,7 +236,7 @@ def rl_micro_batch(
         fits = fine or fits[-1:]
         tokens, width = slots(candidates[-1])
         per_token = max(activation_bytes_per_token(model, width), 1)
-        budget = max(allowed - logits_bytes(model, tokens // width, width), 0) // per_token
+        budget = max(allowed - logits_bytes(model, tokens // width, width, shards), 0) // per_token
         if not fits:
             raise ValueError(
                 f"the smallest RL micro-batch ({candidates[-1]} sequence(s) of up to {seq_len} tokens) needs about "
