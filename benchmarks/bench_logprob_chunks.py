@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from bench_model_fwd_bwd import SMOLLM2_135M_SHAPES  # noqa: E402
 
 from feynrl_jax.models import ModelConfig, init_params, sequence_logprobs  # noqa: E402
-from feynrl_jax.models.logprobs import CHUNK_TOKENS, chunk_positions  # noqa: E402
+from feynrl_jax.models.logprobs import CHUNK_SIZE, CHUNK_TOKENS, chunk_positions  # noqa: E402
 
 LAYOUTS = {"columns": 2**62, "capped": CHUNK_TOKENS}
 """Each layout's `chunk_tokens`."""
@@ -92,7 +92,7 @@ def main() -> None:
         for layout, chunk_tokens in LAYOUTS.items():
             figures[layout] = measure(config, params, tokens, args.prompt, chunk_tokens, args.steps)
             temp, seconds = figures[layout]
-            columns = chunk_positions(args.rows, width, 256, chunk_tokens)
+            columns = chunk_positions(args.rows, width, CHUNK_SIZE, chunk_tokens)
             timed = f", {seconds:.2f} s/step" if seconds is not None else ""
             print(f"{width} new columns, {layout:7s} ({args.rows} rows x {columns} columns a chunk): "
                   f"temp {temp / 2**30:.2f} GiB{timed}", flush=True)  # fmt: skip

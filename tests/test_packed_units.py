@@ -259,6 +259,10 @@ def test_budget_picks_the_largest_micro_batch_that_fits():
     assert _choose(200.0, min_micro_batches=4, shards=4).plan.micro_batch_size == 8
     # An explicit token budget: 2 rows of 192 fit 400 slots, 4 do not.
     assert _choose(200.0, micro_batch_tokens=400).plan.micro_batch_size == 2
+    # The chunk of logits is capped on each batch shard: 32 rows of 192 columns hold 1,024 slots of logits on one
+    # shard (32 columns), 4,096 over 4 (128 columns).
+    one, four = (_choose(200.0, micro_batch_size=32, shards=k).estimated_bytes for k in (1, 4))
+    assert four - one == 3 * SMOL.vocab_size * 4 * (4096 - 1024)
 
 
 def test_budget_refuses_what_cannot_fit_naming_the_key():
@@ -305,21 +309,21 @@ def test_activation_estimate_follows_xla(remat, width):
 
 
 def test_each_batch_shard_holds_a_chunk_of_chunk_tokens_logit_slots(monkeypatch):
-    """Rows split over 8 batch shards: the train step's and the no-grad pass's logit chunks are sized by what each
-    shard holds (`CHUNK_TOKENS` slots on each), not by all shards together, which would make every shard's chunk 8x
-    narrower. With a cap of 4 slots a shard, 16 rows of 11 scored columns: 2 columns of all 16 rows (32 slots, 4 on
-    each shard), where a cap of 4 in all would give 1 column (the least a chunk holds)."""
+    """Rows split over 4 batch shards (data 2 x fsdp 2; tensor 2 splits no rows): the train step's and the no-grad
+    pass's logit chunks are sized by what each shard holds (`CHUNK_TOKENS` slots on each), not by all shards
+    together, which would make every shard's chunk 4x narrower, nor by all 8 devices. With a cap of 4 slots a shard,
+    8 rows of 11 scored columns: 2 columns of all 8 rows (16 slots, 4 on each shard), where a cap of 4 in all would
+    give 1 column (the least a chunk holds) and one of 4 x 8 devices 4 columns. The RL trainer builds its step's
+    `predict` with the same `mesh_chunk_tokens`."""
     import test_models
 
-    from feynrl_jax.train import frozen_logprobs
     from feynrl_jax.train import step as step_module
     from feynrl_jax.train.frozen_logprobs import make_logprob_fn
 
     monkeypatch.setattr(step_module, "CHUNK_TOKENS", 4)
-    monkeypatch.setattr(frozen_logprobs, "CHUNK_TOKENS", 4)
     config = dataclasses.replace(TINY, num_layers=1)
-    mesh = make_mesh(8, 1, 1)
-    rows, width = 16, 12
+    mesh = make_mesh(2, 2, 2)
+    rows, width = 8, 12
     shape = jax.ShapeDtypeStruct((rows, width), jnp.int32)
     fshape = jax.ShapeDtypeStruct((rows, width), jnp.float32)
 
@@ -329,11 +333,11 @@ def test_each_batch_shard_holds_a_chunk_of_chunk_tokens_logit_slots(monkeypatch)
 
     optimizer, _ = make_optimizer(1e-3, warmup_steps=0, total_steps=10, schedule="constant")
     step = make_algorithm_train_step(
-        ALGORITHMS["grpo"], optimizer, mesh, RULES["dp"], config=config, hyperparameters={"kl_coef": 0.0}
+        ALGORITHMS["grpo"], optimizer, mesh, RULES["fsdp_tp"], config=config, hyperparameters={"kl_coef": 0.0}
     )
     batch = TrainBatch(shape, shape, shape, fshape, fshape, fshape)
     assert widest(jax.make_jaxpr(step._jitted)(step.abstract_state, {}, batch)) == 2 * rows
-    frozen = make_logprob_fn(config, mesh, RULES["dp"], chunk_rows=rows)
+    frozen = make_logprob_fn(config, mesh, RULES["fsdp_tp"], chunk_rows=rows)
     params = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
     assert widest(jax.make_jaxpr(frozen)(params, shape, shape, shape)) == 2 * rows
 

@@ -5,10 +5,11 @@ is wrapped in `jax.checkpoint`, so the backward pass recomputes a chunk's logits
 peak memory holds one `[B, chunk, V]` float32 block, not `[B, T, V]`.
 
 A chunk spans all `B` rows and `chunk_positions` columns: at most `chunk_size` columns and at most `chunk_tokens`
-token slots (`B x chunk`; at least one column), so its logits stay one size however many rows a pass holds, up to
-`chunk_tokens` rows. Chunks run along the sequence, never across rows, so a batch sharded over its rows stays sharded;
-these functions see the global rows, so a caller whose rows are split over `k` batch shards passes `k x
-CHUNK_TOKENS` and each device's chunk holds `CHUNK_TOKENS` slots (`train.step`, `train.frozen_logprobs`). Measured
+token slots (`B x chunk`; at least one column), so its logits stop growing with the rows and columns a pass holds.
+Chunks run along the sequence, never across rows, so a batch sharded over its rows stays sharded. These functions see
+the global rows: the train step, the RL trainer and the no-grad passes, whose rows are split over a mesh's batch
+shards, pass `CHUNK_TOKENS x data x fsdp` (`train.step.mesh_chunk_tokens`), so each batch shard's chunk holds at most
+`CHUNK_TOKENS` slots. Measured
 with XLA's `memory_analysis()` of a SmolLM2-135M forward and backward pass on one device (32 rows, 96 prompt and 128
 or 256 completion columns, `benchmarks/bench_logprob_chunks.py`): 2.00 and 3.80 GiB of temporary buffers with
 256-column chunks of all rows, 1.03 and 1.76 GiB with chunks of 1,024 token slots.
@@ -27,8 +28,9 @@ from feynrl_jax.models.segments import predecessor_index
 CHUNK_SIZE = 256
 """The most columns of one chunk of the output projection by default."""
 CHUNK_TOKENS = 1024
-"""The most token slots (rows x columns) of one chunk of the output projection on one batch shard by default: 1,024 x
-a 49,152-token vocabulary is 192 MiB of float32 logits per copy."""
+"""The most token slots (rows x columns) of one chunk of the output projection on one batch shard: 1,024 x a
+49,152-token vocabulary is 192 MiB of float32 logits per copy. The functions here take it for all rows together;
+callers on a mesh pass `train.step.mesh_chunk_tokens(mesh)`."""
 
 
 def chunk_positions(rows: int, n: int, chunk_size: int = CHUNK_SIZE, chunk_tokens: int = CHUNK_TOKENS) -> int:

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, logical_axes, sequence_logprobs
-from feynrl_jax.models.logprobs import CHUNK_SIZE, CHUNK_TOKENS
+from feynrl_jax.models.logprobs import CHUNK_SIZE
 from feynrl_jax.sharding import batch_size_multiple, param_shardings, replicated
 from feynrl_jax.sharding.rules import Rules, batch_pspec
 from feynrl_jax.train.microbatch import check_divisible, merge_microbatches, split_microbatches
+from feynrl_jax.train.step import mesh_chunk_tokens
 
 
 def make_logprob_fn(
@@ -47,7 +48,7 @@ def make_logprob_fn(
         temperature: the sampling temperature (logits are divided by it), as in the train step.
         with_entropy: also return the entropy.
         seq_chunk_size: the most sequence columns per chunk of the output projection; a chunk also holds at most
-            ``models.logprobs.CHUNK_TOKENS`` token slots on each batch shard.
+            ``models.logprobs.CHUNK_TOKENS`` token slots on each batch shard (``train.step.mesh_chunk_tokens``).
         first_column: no token before this column is scored (the shared-prefix layout's prompt width).
         segment_bounds: static bounds on the rows' segments (``models.SegmentBounds``), or None.
         compiler_options: XLA options for the program (see ``make_train_step``).
@@ -73,7 +74,7 @@ def make_logprob_fn(
             temperature=temperature,
             with_entropy=with_entropy,
             chunk_size=seq_chunk_size,
-            chunk_tokens=CHUNK_TOKENS * shards,
+            chunk_tokens=mesh_chunk_tokens(mesh),
             first_column=first_column,
             segment_bounds=segment_bounds,
         )

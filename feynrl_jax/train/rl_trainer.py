@@ -63,7 +63,6 @@ from feynrl_jax.losses import Algorithm, TrainBatch, compute_metrics, get_algori
 from feynrl_jax.losses.advantages import gae
 from feynrl_jax.losses.metrics import combine_updates
 from feynrl_jax.models import ModelConfig, SegmentBounds, as_param_dtype, lora, quant
-from feynrl_jax.models.logprobs import CHUNK_TOKENS
 from feynrl_jax.rollout.types import FINISH_STOP, Rollouts
 from feynrl_jax.sharding import batch_size_multiple, host_tree, mesh_shape
 from feynrl_jax.train import run_setup, token_budget
@@ -75,7 +74,7 @@ from feynrl_jax.train.packed_units import PackStats, pack_units
 from feynrl_jax.train.rl_batch import rollouts_to_batch, scatter_completion, sequence_reward_at_last_token
 from feynrl_jax.train.shared_prefix import SharedPrefixRows, cheaper_than_rows, shared_bounds, shared_prefix_rows
 from feynrl_jax.train.state import TrainState
-from feynrl_jax.train.step import ParamsSpec, make_train_step, model_logprob_fn
+from feynrl_jax.train.step import ParamsSpec, make_train_step, mesh_chunk_tokens, model_logprob_fn
 
 log = logging.getLogger(__name__)
 
@@ -488,7 +487,7 @@ class RLTrainer:
             loss = with_logprob_diagnostics(loss, pass_entropy=self.algorithm.uses_entropy)
         predict = model_logprob_fn(
             self.model_config,
-            chunk_tokens=CHUNK_TOKENS * batch_size_multiple(self.mesh),  # each batch shard's chunk: CHUNK_TOKENS
+            chunk_tokens=mesh_chunk_tokens(self.mesh),
             temperature=settings.temperature,
             first_column=1 if self.pack else first_column,
             with_entropy=self.algorithm.uses_entropy or not settings.separate_old_pass,

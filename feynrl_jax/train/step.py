@@ -129,6 +129,12 @@ class ParamsSpec:
         return self.split(tree)[1]
 
 
+def mesh_chunk_tokens(mesh: Mesh) -> int:
+    """The token-slot cap of a logit chunk (``models.logprobs.chunk_positions``) for a batch whose rows are split over
+    ``mesh``'s batch shards: ``CHUNK_TOKENS`` slots on each shard, ``data x fsdp`` times that in all."""
+    return CHUNK_TOKENS * batch_size_multiple(mesh)
+
+
 def model_logprob_fn(
     config: ModelConfig,
     *,
@@ -148,7 +154,7 @@ def model_logprob_fn(
         chunk_size: the most sequence positions per chunk of the output projection (bounds the ``[B, T, V]``
             logits).
         chunk_tokens: the most token slots (rows x positions) per chunk, all batch shards together: a step whose
-            rows are split over ``k`` shards passes ``k x models.logprobs.CHUNK_TOKENS``.
+            rows are split over a mesh's batch shards passes ``mesh_chunk_tokens(mesh)``.
         remat: rematerialisation policy for the layers ("none", "full", "dots"; None: ``config.remat``).
         first_column: no token before this column is scored (the shared-prefix layout's prompt width).
         with_entropy: also return the entropy of each predictive distribution (else None); the step then passes
@@ -514,7 +520,7 @@ def make_algorithm_train_step(
         predict=model_logprob_fn(
             config,
             chunk_size=logprob_chunk_size,
-            chunk_tokens=CHUNK_TOKENS * batch_size_multiple(mesh),
+            chunk_tokens=mesh_chunk_tokens(mesh),
             remat=remat,
             with_entropy=algorithm.uses_entropy,
         ),

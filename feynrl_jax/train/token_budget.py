@@ -13,9 +13,10 @@ pass in the compute dtype: about `8 D + 7 I` values for the projections, norms a
 scores and probabilities over a row of `W` columns. With `model.remat` "dots" or "full" a layer keeps only what the
 policy saves and one layer is recomputed at a time. The output projection's logits live one chunk at a time
 (`models.logprobs`: all rows, at most 256 columns and 1,024 token slots on each batch shard), about `3 V` float32
-values per token slot of the chunk (`logits_bytes`): a fixed amount once a micro-batch holds more token slots than a
-chunk. The constants were fitted to XLA:CPU's `memory_analysis()` of the SmolLM2-135M train step (float32, rows of
-128 and 256 columns); `tests/test_packed_units.py` checks the estimate against `memory_analysis()` of small models.
+values per token slot of the chunk (`logits_bytes`), which stops growing with the micro-batch's tokens once a shard
+holds a few rows. The constants were fitted to XLA:CPU's `memory_analysis()` of the SmolLM2-135M train step
+(float32, rows of 128 and 256 columns); `tests/test_packed_units.py` checks the estimate against `memory_analysis()`
+of small models.
 """
 
 from __future__ import annotations
