@@ -38,23 +38,6 @@ LAYOUTS = {"columns": 2**62, "capped": CHUNK_TOKENS}
 """Each layout's `chunk_tokens`."""
 
 
-def smollm2_shaped() -> ModelConfig:
-    s = SMOLLM2_135M_SHAPES
-    return ModelConfig(
-        vocab_size=s["vocab_size"],
-        hidden_size=s["hidden_size"],
-        intermediate_size=s["intermediate_size"],
-        num_layers=s["num_hidden_layers"],
-        num_heads=s["num_attention_heads"],
-        num_kv_heads=s["num_key_value_heads"],
-        head_dim=s["head_dim"],
-        rms_norm_eps=s["rms_norm_eps"],
-        rope_theta=s["rope_theta"],
-        tie_word_embeddings=s["tie_word_embeddings"],
-        remat="full",
-    )
-
-
 def measure(config, params, tokens, prompt: int, chunk_tokens: int, steps: int) -> tuple[float, float | None]:
     """(temporary bytes XLA plans for the compiled pass, seconds per step or None)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -82,7 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="timed steps per layout (0: memory only)")
     args = parser.parse_args()
 
-    config = smollm2_shaped()
+    config = ModelConfig.from_hf({"model_type": "llama", **SMOLLM2_135M_SHAPES}, remat="full")
     params = init_params(config, jax.random.key(0))
     print(f"SmolLM2-135M shapes, random weights, float32, remat full, {args.rows} rows, {args.prompt} prompt columns")
     for width in (int(w) for w in args.widths.split(",")):

@@ -9,10 +9,9 @@ token slots (`B x chunk`; at least one column), so its logits stop growing with 
 Chunks run along the sequence, never across rows, so a batch sharded over its rows stays sharded. These functions see
 the global rows: the train step, the RL trainer and the no-grad passes, whose rows are split over a mesh's batch
 shards, pass `CHUNK_TOKENS x data x fsdp` (`train.step.mesh_chunk_tokens`), so each batch shard's chunk holds at most
-`CHUNK_TOKENS` slots. Measured
-with XLA's `memory_analysis()` of a SmolLM2-135M forward and backward pass on one device (32 rows, 96 prompt and 128
-or 256 completion columns, `benchmarks/bench_logprob_chunks.py`): 2.00 and 3.80 GiB of temporary buffers with
-256-column chunks of all rows, 1.03 and 1.76 GiB with chunks of 1,024 token slots.
+`CHUNK_TOKENS` slots. Measured with XLA's `memory_analysis()` of a SmolLM2-135M forward and backward pass on one
+device (32 rows, 96 prompt and 128 or 256 completion columns, `benchmarks/bench_logprob_chunks.py`): 2.00 and 3.80
+GiB of temporary buffers with 256-column chunks of all rows, 1.03 and 1.76 GiB with chunks of 1,024 token slots.
 """
 
 from __future__ import annotations
