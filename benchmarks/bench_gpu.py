@@ -241,6 +241,7 @@ def bench_train(config: ModelConfig, *, batch: int, seq: int, remat: str, rules:
         config=config,
         remat=remat,
         params_spec=ParamsSpec.of_model(config).with_master_dtype("float32"),
+        check_updated=False,  # as the runs build it on make_optimizer's AdamW
     )
     state = train_step.init_state(init_params(config, jax.random.key(0)))
     data = train_step.place_batch(sft_batch(np.random.default_rng(0), config.vocab_size, batch, seq))

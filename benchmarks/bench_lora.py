@@ -75,7 +75,13 @@ def measure(config: ModelConfig, batch: TrainBatch, steps: int) -> dict[str, flo
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     optimizer, _ = make_optimizer(1e-5, warmup_steps=0, total_steps=100, schedule="constant")
     step = make_algorithm_train_step(
-        ALGORITHMS["grpo"], optimizer, mesh, RULES["dp"], config=config, hyperparameters={"kl_coef": 0.05}
+        ALGORITHMS["grpo"],
+        optimizer,
+        mesh,
+        RULES["dp"],
+        config=config,
+        hyperparameters={"kl_coef": 0.05},
+        check_updated=False,  # as the runs build it on make_optimizer's AdamW
     )
     state = step.init_state(init_params(config, jax.random.key(0)))
     if config.lora_rank:

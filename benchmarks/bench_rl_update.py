@@ -178,7 +178,7 @@ def run_plain(args) -> dict:
         dense = jax.tree.map(lambda x, take=take: np.asarray(x)[take], packed)
         if micro not in steps:
             steps[micro] = make_algorithm_train_step(
-                ALGORITHMS["sft"], optimizer, mesh, RULES["dp"], config=config, grad_accum=micro
+                ALGORITHMS["sft"], optimizer, mesh, RULES["dp"], config=config, grad_accum=micro, check_updated=False
             )
         train_step = steps[micro]
         if state is None:

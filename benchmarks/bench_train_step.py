@@ -67,7 +67,13 @@ def bench_jax(config: ModelConfig, params: dict, tokens: np.ndarray, steps: int)
         LEARNING_RATE, schedule="constant", weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM
     )
     train_step = make_algorithm_train_step(
-        ALGORITHMS["sft"], optimizer, mesh, RULES["dp"], config=config, logprob_chunk_size=tokens.shape[1]
+        ALGORITHMS["sft"],
+        optimizer,
+        mesh,
+        RULES["dp"],
+        config=config,
+        logprob_chunk_size=tokens.shape[1],
+        check_updated=False,  # as the runs build it on make_optimizer's AdamW
     )
     state = train_step.init_state(params)
     batch = train_step.place_batch(sft_batch(tokens))

@@ -158,7 +158,8 @@ BAD_CONFIGS = [
         "is not a registered algorithm (did you mean grpo?)",
     ),
     ("algorithm_of_other_paradigm", _set("algo.name", "dpo"), "algo.name", "is a dpo algorithm"),
-    ("negative_lr", _set("optim.lr", -1e-5), "optim.lr", "is negative"),
+    ("negative_lr", _set("optim.lr", -1e-5), "optim.lr", "must be positive"),
+    ("zero_lr", _set("optim.lr", 0.0), "optim.lr", "must be positive"),
     ("unknown_schedule", _set("optim.schedule", "linear"), "optim.schedule", "is not one of"),
     (
         "warmup_longer_than_cosine",
@@ -167,7 +168,11 @@ BAD_CONFIGS = [
         "leaves nothing of the",
     ),
     ("b2_of_one", _set("optim.b2", 1.0), "optim.b2", "must be in [0, 1)"),
-    ("zero_eps", _set("optim.eps", 0.0), "optim.eps", "must be positive"),
+    # 1 in float32: Adam's bias correction 1 - b2**t would be 0, and the update infinite.
+    ("b2_of_one_in_float32", _set("optim.b2", 0.99999999), "optim.b2", "below 1 in float32 (at most 1 - 2**-24)"),
+    ("zero_eps", _set("optim.eps", 0.0), "optim.eps", "must be at least 1.175e-38"),
+    # 0 in float32: a weight whose gradient has always been 0 would get 0 / 0.
+    ("subnormal_eps", _set("optim.eps", 1e-45), "optim.eps", "(float32's smallest normal number)"),
     (
         "generation_longer_than_row",
         _set("rollout.max_new_tokens", 17),
@@ -367,7 +372,8 @@ BAD_CONFIGS = [
     ("negative_max_restarts", _set("ray.max_restarts", -1), "ray.max_restarts", "=-1 must be at least 0"),
     ("zero_stall_timeout", _set("ray.stall_timeout_s", 0.0), "ray.stall_timeout_s", "=0.0 must be positive"),
     ("negative_clip_high", _set("algo.clip_high", -0.1), "algo.clip_high", "=-0.1 is negative"),
-    ("negative_critic_lr", _set("algo.critic_lr", -1e-5), "algo.critic_lr", "must be at least 0"),
+    ("negative_critic_lr", _set("algo.critic_lr", -1e-5), "algo.critic_lr", "must be positive"),
+    ("zero_critic_lr", _set("algo.critic_lr", 0.0), "algo.critic_lr", "must be positive"),
     ("gae_gamma_above_one", _set("algo.gae_gamma", 1.5), "algo.gae_gamma", "=1.5 must be in [0, 1]"),
     ("negative_gae_lambda", _set("algo.gae_lambda", -0.1), "algo.gae_lambda", "=-0.1 must be in [0, 1]"),
     ("negative_refill_draws", _set("algo.max_refill_draws", -1), "algo.max_refill_draws", "must be at least 0"),

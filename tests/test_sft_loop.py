@@ -67,10 +67,18 @@ def tiny_sft_config(root, run_dir):
 
 
 @pytest.mark.slow
-def test_sft_trains_logs_checkpoints_and_evaluates(data_dir, tmp_path):
+def test_sft_trains_logs_checkpoints_and_evaluates(data_dir, tmp_path, monkeypatch):
+    from feynrl_jax.train import supervised_loop
+
+    built = []  # the runs' train steps choose the update before computing it (`make_train_step`'s check_updated)
+    make_step = supervised_loop.make_algorithm_train_step
+    monkeypatch.setattr(
+        supervised_loop, "make_algorithm_train_step", lambda *a, **k: built.append(make_step(*a, **k)) or built[-1]
+    )
     run_dir = tmp_path / "run"
     config = tiny_sft_config(data_dir, run_dir)
     final = sft_loop.run(config)
+    assert [step.check_updated for step in built] == [False]
 
     records = read_metrics(str(run_dir))
     assert [r["step"] for r in records] == list(range(0, STEPS + 1))

@@ -54,15 +54,37 @@ def test_weight_decay_applies_to_matrices_only():
 
 def test_gradients_are_clipped_to_the_global_norm():
     params = {"w": {"kernel": jnp.zeros(4)}}
-    clipped, _ = make_optimizer(1.0, schedule="constant", max_grad_norm=1.0, b1=0.0, b2=0.0, eps=0.0)
+    clipped, _ = make_optimizer(1.0, schedule="constant", max_grad_norm=1.0, b1=0.0, b2=0.0, eps=1e-12)
     grads = {"w": {"kernel": jnp.asarray([30.0, 40.0, 0.0, 0.0])}}
     state = clipped.init(params)
-    # Adam with b1 = b2 = 0 returns sign(g); clipping shows in the first moment of the state.
-    _, state = clipped.update(grads, state, params)
+    # Adam with b1 = b2 = 0 returns about sign(g); clipping shows in the first moment of the state.
+    updates, state = clipped.update(grads, state, params)
     adam_state = state[1][0]
     np.testing.assert_allclose(adam_state.mu["w"]["kernel"], [0.6, 0.8, 0.0, 0.0], rtol=1e-6)
+    # A weight whose gradient is 0 does not move (0 / (0 + eps)); eps = 0 would make it 0 / 0, NaN.
+    np.testing.assert_allclose(updates["w"]["kernel"], [-1.0, -1.0, 0.0, 0.0], rtol=1e-6)
     with pytest.raises(ValueError, match="max_grad_norm must be positive"):
         make_optimizer(1.0, schedule="constant", max_grad_norm=0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"eps": 0.0}, "eps must be at least float32.s smallest normal number"),
+        ({"eps": float("nan")}, "eps must be finite"),
+        ({"weight_decay": float("inf")}, "weight_decay must be finite"),
+        ({"learning_rate": float("inf")}, "learning_rate must be positive and finite"),
+        ({"b2": 1.0}, r"b1 and b2 must be in \[0, 1\)"),
+        ({"b1": 0.99999999}, r"b1 and b2 must be in \[0, 1\), also in float32"),
+        ({"eps": 1e-45}, "eps must be at least float32's smallest normal number"),
+        ({"max_grad_norm": float("nan")}, "max_grad_norm must be positive"),
+    ],
+)
+def test_the_optimizer_refuses_settings_that_make_a_finite_gradient_give_non_finite_weights(kwargs, message):
+    # The runs' train steps skip an update for a non-finite gradient or loss alone (check_updated=False): they rely
+    # on the AdamW turning a finite gradient, params and state into finite ones (make_optimizer's docstring).
+    with pytest.raises(ValueError, match=message):
+        make_optimizer(**{"learning_rate": 1e-3, "schedule": "constant", **kwargs})
 
 
 def test_train_state_is_a_pytree_with_zero_counters():
@@ -104,5 +126,10 @@ def test_guard_needs_the_step_metrics():
         guard.check({"train/nonfinite_streak": 1, "train/nonfinite_total": 3})
     with pytest.raises(KeyError, match="train/nonfinite_streak"):
         guard.check({"train/loss": 1.0})
+    # A written non-finite state stops the run at once, whatever the streak limit.
+    guard = NonFiniteGuard(max_consecutive=5)
+    guard.check({"train/nonfinite_streak": 0, "train/nonfinite_state": 0.0})
+    with pytest.raises(NonFiniteError, match=r"update at step 4 wrote NaN .* nothing of it was saved"):
+        guard.check({"train/nonfinite_streak": 0, "train/nonfinite_state": 1.0}, step=4)
     with pytest.raises(ValueError, match="max_consecutive must be >= 0"):
         NonFiniteGuard(-1)

@@ -43,6 +43,10 @@ MESH_RULES = ("dp", "fsdp", "fsdp_tp")
 BAD_ROW_POLICIES = ("error", "skip")
 OFF_POLICY_MODES = ("none", "tis", "decoupled")
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+"""float32's smallest normal number."""
+FLOAT32_BELOW_ONE = 1.0 - 2.0**-24
+"""float32's largest number below 1."""
 REFERENCE_MODES = ("per_batch", "precompute")
 PROCESS_COUNT_VARIABLES = ("FEYNRL_NUM_PROCESSES", "JAX_NUM_PROCESSES", "SLURM_NTASKS")
 """Variables of a multi-process launch (`sharding/multihost.py`): the devices of every process form one mesh."""
@@ -328,8 +332,7 @@ def _check_data(config, bad):
 
 
 def _check_optim(optim, steps, bad):
-    if not optim.lr >= 0:
-        bad("optim.lr", f"optim.lr={optim.lr} is negative.")
+    _positive(bad, "optim.lr", optim.lr)
     _at_least(bad, "optim.warmup_steps", optim.warmup_steps, 0)
     _choice(bad, "optim.schedule", optim.schedule, SCHEDULES)
     _at_least(bad, "optim.weight_decay", optim.weight_decay, 0.0)
@@ -338,10 +341,19 @@ def _check_optim(optim, steps, bad):
             "optim.warmup_steps",
             f"optim.warmup_steps={optim.warmup_steps} leaves nothing of the cosine decay in train.steps={steps}.",
         )
+    # The AdamW keeps a finite gradient's update finite (train.optimizer.make_optimizer), which the train steps rely
+    # on: in float32, Adam's bias corrections 1 - b**t and its denominator sqrt(v) + eps must not round to 0.
     for key in ("b1", "b2"):
-        if not 0.0 <= optim[key] < 1.0:
-            bad(f"optim.{key}", f"optim.{key}={optim[key]} must be in [0, 1).")
-    _positive(bad, "optim.eps", optim.eps)
+        if not 0.0 <= optim[key] <= FLOAT32_BELOW_ONE:
+            bad(
+                f"optim.{key}",
+                f"optim.{key}={optim[key]} must be in [0, 1), and below 1 in float32 (at most 1 - 2**-24).",
+            )
+    if not optim.eps >= FLOAT32_TINY:
+        bad(
+            "optim.eps",
+            f"optim.eps={optim.eps!r} must be at least {FLOAT32_TINY:.4g} (float32's smallest normal number).",
+        )
     _at_least(bad, "optim.max_grad_norm", optim.max_grad_norm, 0.0)
     _at_least(bad, "optim.max_consecutive_nonfinite", optim.max_consecutive_nonfinite, 1)
 
@@ -555,7 +567,7 @@ def _check_algo(config, bad):
         bad("algo.reference", f"algo.reference={algo.reference!r} is neither 'none', 'initial' nor a model folder.")
     _choice(bad, "algo.reference_mode", algo.reference_mode, REFERENCE_MODES)
     _at_least(bad, "algo.max_refill_draws", algo.max_refill_draws, 0)
-    _at_least(bad, "algo.critic_lr", algo.critic_lr, 0.0)
+    _positive(bad, "algo.critic_lr", algo.critic_lr)
     _in_unit_interval(bad, "algo.gae_gamma", algo.gae_gamma)
     _in_unit_interval(bad, "algo.gae_lambda", algo.gae_lambda)
     if traits is None or config.paradigm == "eval":

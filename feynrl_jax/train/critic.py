@@ -165,6 +165,7 @@ def make_critic_train_step(
     remat: str | None = None,
     params_spec: ParamsSpec | None = None,
     segment_bounds: SegmentBounds | None = None,
+    check_updated: bool = True,
 ) -> TrainStep:
     """The critic's jitted train step (``make_train_step`` with values in place of log-probabilities).
 
@@ -181,6 +182,7 @@ def make_critic_train_step(
             ``critic_params_spec(config).with_master_dtype("float32")``; the backbone is rounded to
             ``config.param_dtype`` in ``forward``).
         segment_bounds: static bounds on the batches' segments (``models.SegmentBounds``), or None.
+        check_updated: see ``make_train_step`` (False for ``make_optimizer``'s AdamW).
 
     Returns:
         A ``TrainStep`` over the critic params; ``step.init_state(init_critic_params(...))`` starts it.
@@ -206,4 +208,5 @@ def make_critic_train_step(
         predict=predict,
         params_spec=critic_params_spec(config) if params_spec is None else params_spec,
         grad_accum=grad_accum,
+        check_updated=check_updated,
     )

@@ -1,11 +1,14 @@
 """Non-finite numbers in training: the in-step test, the host-side guard, and the check of a restored state.
 
-The jitted step never applies a non-finite update: when the gradient, the loss, the updated params or the
-updated optimizer state hold a NaN or an infinity (``all_finite``), it keeps the old params and optimizer state
-and counts the skip in ``TrainState.nonfinite_streak`` and ``nonfinite_total``, reported as the metrics
-``train/nonfinite_streak`` and ``train/nonfinite_total``. A few isolated skips are harmless (a bad batch); a
-streak means the run has diverged, and a run whose updates were all skipped trained nothing: ``NonFiniteGuard``
-stops the first with ``check`` and fails the second with ``finish``, rather than exit 0 with the initial weights.
+The jitted step never applies a non-finite update: when the gradient's norm or the loss is NaN or infinite, or the
+updated params or optimizer state hold a NaN or an infinity (``all_finite``; tested unless the step is built with
+``check_updated=False``, ``train.step.make_train_step``, for an optimizer that keeps finite inputs finite), it keeps
+the old params and optimizer state and counts the skip in ``TrainState.nonfinite_streak`` and ``nonfinite_total``,
+reported as the metrics ``train/nonfinite_streak`` and ``train/nonfinite_total``. A few isolated skips are harmless
+(a bad batch); a streak means the run has diverged, and a run whose updates were all skipped trained nothing:
+``NonFiniteGuard`` stops the first with ``check`` and fails the second with ``finish``, rather than exit 0 with the
+initial weights. A step built with ``check_updated=False`` reads its written state for NaN and infinities
+(``train/nonfinite_state``); ``check`` stops the run at the first such step, before the loops save it.
 
 A train state restored from an orbax checkpoint is checked once (``check_restored_state``): a checkpoint that
 holds a NaN would otherwise skip every step of the resumed run.
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 from feynrl_jax.errors import InputError, RunFailed
 from feynrl_jax.losses.metrics import Metric
 
+STATE_METRIC = "train/nonfinite_state"
 STREAK_METRIC = "train/nonfinite_streak"
 TOTAL_METRIC = "train/nonfinite_total"
 STEP_METRIC = "train/step"
@@ -99,7 +103,10 @@ class NonFiniteGuard:
         self.skipped_total = 0
 
     def check(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """Raises ``NonFiniteError`` when ``metrics["train/nonfinite_streak"]`` exceeds the limit.
+        """Raises ``NonFiniteError`` when ``metrics["train/nonfinite_streak"]`` exceeds the limit, or at once when
+        the step wrote a non-finite state (``metrics["train/nonfinite_state"]``: an update chosen before it was
+        computed, ``make_train_step(check_updated=False)``, that gave NaN or infinite weights from a finite gradient
+        and loss; the loops check before they save, so no checkpoint holds it).
 
         Args:
             metrics: one update's metrics (its ``Metric`` records, or device or host scalars); reading the streak
@@ -116,8 +123,14 @@ class NonFiniteGuard:
             self.applied = (self.applied or 0) + (streak == 0)
         self.checked += 1
         self.skipped_total = total
+        where = "" if step is None else f" at step {step}"
+        if STATE_METRIC in metrics and _value(metrics[STATE_METRIC]) > 0:
+            raise NonFiniteError(
+                f"{self._prefix()}the update{where} wrote NaN or infinite weights or optimizer state from a finite "
+                "gradient and loss; nothing of it was saved. Check optim.lr, optim.eps, optim.b1, optim.b2 and "
+                "optim.weight_decay (or the model's dtypes), then resume from the last checkpoint"
+            )
         if streak > self.max_consecutive:
-            where = "" if step is None else f" at step {step}"
             raise NonFiniteError(
                 f"{self._prefix()}non-finite gradient, loss or updated weights for {streak} consecutive steps{where} "
                 f"(limit {self.max_consecutive}, {total} skipped in total): the run has diverged; lower optim.lr, "
@@ -144,4 +157,9 @@ class NonFiniteGuard:
 
 def _count(value: Any) -> int:
     """A counter of the step's metrics, given as its "last" ``Metric`` or as a scalar."""
-    return int(value.value if isinstance(value, Metric) else value)
+    return int(_value(value))
+
+
+def _value(value: Any) -> float:
+    """A metric's value, given as its ``Metric`` or as a scalar."""
+    return float(value.value if isinstance(value, Metric) else value)

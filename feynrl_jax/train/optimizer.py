@@ -11,9 +11,11 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 SCHEDULES = ("cosine", "constant")
@@ -46,8 +48,8 @@ def learning_rate_schedule(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if learning_rate <= 0:
-        raise ValueError(f"learning_rate must be positive, got {learning_rate}")
+    if not 0 < learning_rate < math.inf:
+        raise ValueError(f"learning_rate must be positive and finite, got {learning_rate}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
     if not 0.0 <= final_learning_rate_ratio <= 1.0:
@@ -92,6 +94,16 @@ def make_optimizer(
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with warm-up, schedule and clipping.
 
+    Finite in, finite out: a finite gradient (of a finite norm), params and optimizer state give finite new ones,
+    short of an update ``lr * (step + weight_decay * |w|)`` beyond float32's range. The learning rate and weight
+    decay are finite; ``eps`` is a normal float32 (a weight whose gradient has always been 0 has a second moment of
+    0, and ``0 / (0 + eps)`` is 0); ``b1`` and ``b2`` stay below 1 in float32, so the bias corrections ``1 - b**t``
+    are not 0; the gradient's squares are finite wherever its norm is; and Adam's step is a bounded multiple of 1
+    (Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015, section 2.1). So a train step on it skips an
+    update for a non-finite gradient norm or loss alone (``make_train_step(check_updated=False)``) and writes the
+    update in place; the step still reads the written state (``train/nonfinite_state``) and the run stops should
+    one turn out non-finite.
+
     Args:
         learning_rate: peak learning rate.
         warmup_steps: linear warm-up steps.
@@ -107,7 +119,15 @@ def make_optimizer(
     Returns:
         ``(optimizer, schedule)``; the schedule maps the step count to the learning rate (for logging).
     """
-    if max_grad_norm is not None and max_grad_norm <= 0:
+    for name, value in (("weight_decay", weight_decay), ("eps", eps)):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+    # In float32 (the optimizer state's dtype), `sqrt(v) + eps` and the bias corrections `1 - b**t` must not be 0.
+    if not eps >= np.finfo(np.float32).tiny:
+        raise ValueError(f"eps must be at least float32's smallest normal number, got {eps}")
+    if not (0 <= b1 and 0 <= b2 and np.float32(b1) < 1 and np.float32(b2) < 1):
+        raise ValueError(f"b1 and b2 must be in [0, 1), also in float32, got {b1} and {b2}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")

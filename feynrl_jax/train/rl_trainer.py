@@ -503,6 +503,7 @@ class RLTrainer:
             grad_accum=self.plan.grad_accum_steps,
             learning_rate_fn=schedule,
             rng_seed=run_setup.dropout_seed(config, self.model_config),
+            check_updated=False,  # build_optimizer's AdamW: finite in, finite out (make_optimizer)
         )
         logprob_settings = dict(
             chunk_rows=chunk_rows,
@@ -537,6 +538,7 @@ class RLTrainer:
                 grad_accum=self.plan.grad_accum_steps,
                 params_spec=critic_params_spec(critic_config).with_master_dtype(config.model.master_dtype or None),
                 segment_bounds=self.segment_bounds,
+                check_updated=False,  # build_optimizer's AdamW: finite in, finite out (make_optimizer)
             )
             self._values = jax.jit(
                 functools.partial(critic_values, config=critic_config, segment_bounds=self.segment_bounds)

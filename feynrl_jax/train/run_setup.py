@@ -293,7 +293,9 @@ def build_mesh(mesh_cfg: ConfigDict) -> tuple[jax.sharding.Mesh, Any]:
 
 
 def build_optimizer(optim_cfg: ConfigDict, total_steps: int):
-    """AdamW with the schedule of `config.optim` over `total_steps` updates: `(optimizer, schedule)`."""
+    """AdamW with the schedule of `config.optim` over `total_steps` updates: `(optimizer, schedule)`. It turns a
+    finite gradient, params and optimizer state into finite ones (`optimizer.make_optimizer`), so the run's train
+    steps are built with `check_updated=False`."""
     return make_optimizer(
         optim_cfg.lr,
         warmup_steps=optim_cfg.warmup_steps,

@@ -22,8 +22,8 @@ class TrainState:
         opt_state: the optax state (mirrors the trained part of ``params``, dtypes included, for Adam's moments:
             all of them, or the LoRA adapters alone; ``ParamsSpec.trainable``).
         step: int32 scalar, the number of updates applied (skipped non-finite steps do not count).
-        nonfinite_streak: int32 scalar, consecutive steps skipped for a non-finite gradient, loss, updated params
-            or updated optimizer state (0 after any applied step).
+        nonfinite_streak: int32 scalar, consecutive steps skipped for a non-finite gradient or loss (or, in a step
+            that tests them, updated params or optimizer state; 0 after any applied step).
         nonfinite_total: int32 scalar, skipped steps since the start of the run (``step + nonfinite_total`` steps
             ran; ``step == 0`` after a run means every one was skipped).
     """

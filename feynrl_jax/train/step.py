@@ -16,10 +16,17 @@ bfloat16 forward pass is applied to the float32 masters, so updates smaller than
    returned one), and accumulates the gradient of the loss's ``total`` together with its ``denom``;
 3. the summed gradient is divided by the summed denominator, so any number of micro-batches gives the
    gradient of one large batch (the losses return ``(total, denom)``, not means; Tunix's ``WeightedMetric``);
-4. the optimizer is applied; when the gradient, the loss, the updated params or the updated optimizer state
-   are not finite (``nonfinite.all_finite``, one fused reduction per leaf), the update is skipped instead: params
-   and optimizer state unchanged, the counters in ``TrainState`` incremented (``nonfinite.NonFiniteGuard`` reads
-   them on the host).
+4. the optimizer is applied; when the gradient norm or the loss is not finite, or (``check_updated``, the
+   default) the updated params or optimizer state are not (``nonfinite.all_finite``, one fused reduction per leaf),
+   the update is skipped instead: params and optimizer state unchanged, the counters in ``TrainState`` incremented
+   (``nonfinite.NonFiniteGuard`` reads them on the host). Testing the updated state keeps it beside the old one
+   until the choice is made. An optimizer that cannot turn a finite gradient, params and state into non-finite
+   ones (``optimizer.make_optimizer``'s AdamW, which the runs use) needs the first test only
+   (``check_updated=False``): the update then runs under a ``lax.cond`` on it, and XLA writes it into the donated
+   state's buffers (a SmolLM2-135M GRPO step holds 1.25 GiB of temporaries instead of 1.75,
+   ``benchmarks/bench_update_guard.py``). The written state is still read once for NaN and infinities
+   (``train/nonfinite_state``, 1 when any): should an update break that promise, ``NonFiniteGuard`` stops the run
+   at once, before the state is saved.
 
 Frozen params (``ParamsSpec.trainable``; the base weights under LoRA): the step differentiates and updates only the
 trained leaves, the optimizer state holds only theirs, and the frozen ones enter the jitted program as a separate
@@ -33,7 +40,8 @@ Metrics: a ``{name: Metric}`` dict, one update's, typed by how several updates c
 (``feynrl_jax.losses.metrics.combine_updates``): the loss's own (``loss/...``, combined exactly across
 micro-batches; each "mean" then reported as its value with weight 1, so a step's updates count equally; "max" /
 "min" as they are), ``train/loss``, ``train/loss_denom``, ``train/grad_norm`` (before clipping) and
-``train/update_skipped`` ("mean", weight 1); ``train/nonfinite_streak``, ``train/nonfinite_total``,
+``train/update_skipped`` ("mean", weight 1); ``train/nonfinite_state`` ("max"); ``train/nonfinite_streak``,
+``train/nonfinite_total``,
 ``train/step`` and, given a schedule, ``train/learning_rate`` ("last"). ``compute_metrics`` reads the values.
 """
 
@@ -50,7 +58,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics
-from feynrl_jax.losses.metrics import Metric, last_metric, scalar_metric
+from feynrl_jax.losses.metrics import Metric, last_metric, max_metric, scalar_metric
 from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, logical_axes, lora, sequence_logprobs
 from feynrl_jax.models.logprobs import CHUNK_SIZE, CHUNK_TOKENS
 from feynrl_jax.sharding import (
@@ -202,6 +210,8 @@ class TrainStep:
         grad_accum: the number of micro-batches per step.
         rows_per_example: rows kept together in one micro-batch (2 for DPO pairs).
         params_spec: the params' spec: which leaves train (``ParamsSpec.trainable``).
+        check_updated: whether an update is also skipped for non-finite new params or optimizer state
+            (``make_train_step``).
     """
 
     mesh: Mesh
@@ -210,6 +220,7 @@ class TrainStep:
     grad_accum: int
     rows_per_example: int
     params_spec: ParamsSpec
+    check_updated: bool
     _jitted: Callable[[TrainState, Any, TrainBatch], tuple[TrainState, dict[str, Metric]]]
     _init: Callable[[Any], TrainState]
     _traces: list[int]
@@ -229,14 +240,17 @@ class TrainStep:
         frozen, trained = self.params_spec.split(state.params)
         return dataclasses.replace(state, params=trained), frozen
 
-    def compile(self, state: TrainState, batch: TrainBatch) -> None:
+    def compile(self, state: TrainState, batch: TrainBatch) -> jax.stages.Compiled:
         """Compiles the step for ``state`` and ``batch`` (their shapes, dtypes and shardings) ahead of its first call.
 
         The compiled program lands in the jit's cache: the first call with arrays like these runs it without
         tracing or compiling again. Nothing runs and nothing is donated, so the trainer can compile in a thread of
         its own while it does other work (`RLTrainer.start`).
+
+        Returns:
+            The compiled program (``memory_analysis()`` gives the sizes of its buffers).
         """
-        self._jitted.lower(*self._arguments(state), batch).compile()
+        return self._jitted.lower(*self._arguments(state), batch).compile()
 
     @property
     def trace_count(self) -> int:
@@ -305,6 +319,7 @@ def make_train_step(
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
     rng_seed: int | None = None,
+    check_updated: bool = True,
 ) -> TrainStep:
     """Builds the jitted train step from its parts.
 
@@ -332,6 +347,11 @@ def make_train_step(
         rng_seed: when set, ``predict`` is called with ``rng=``: a key folded from ``(rng_seed, state.step,
             micro-batch index)`` (LoRA dropout, ``model_logprob_fn``). It depends on nothing else, so a resumed run
             draws the masks the uninterrupted run drew, and the micro-batches of one step draw different ones.
+        check_updated: skip an update whose new params or optimizer state are not finite, besides one whose
+            gradient norm or loss is not (a NaN learning rate of a user's optimizer gives NaN weights from a
+            finite gradient). False for an optimizer that maps a finite gradient, params and state to finite ones
+            (``make_optimizer``'s): the update is then chosen before it is computed and written in place, which
+            saves temporary memory about the size of the trained params (module docstring).
 
     Returns:
         A ``TrainStep``: call it as ``state, metrics = step(state, batch)`` (``metrics``: ``{name: Metric}``, see
@@ -413,15 +433,32 @@ def make_train_step(
         loss = jnp.where(denom != 0, total / safe_denom, 0.0)
         grad_norm = optax.tree.norm(grads)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        # A finite gradient can still give non-finite weights (a NaN learning rate, an overflowing update).
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss) & all_finite(new_params, new_opt_state)
-        keep = lambda new, old: jnp.where(finite, new, old)
+
+        def updated(operand):
+            grads, opt_state, params = operand
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt_state
+
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+        if check_updated:
+            new_params, new_opt_state = updated((grads, state.opt_state, params))
+            # A finite gradient can still give non-finite weights (a NaN learning rate, an overflowing update).
+            finite = finite & all_finite(new_params, new_opt_state)
+            keep = lambda new, old: jnp.where(finite, new, old)
+            new_params = jax.tree.map(keep, new_params, params)
+            new_opt_state = jax.tree.map(keep, new_opt_state, state.opt_state)
+        else:
+            # Chosen first, the update can overwrite the old state: the skipping branch returns it untouched.
+            new_params, new_opt_state = jax.lax.cond(
+                finite, updated, lambda operand: (operand[2], operand[1]), (grads, state.opt_state, params)
+            )
+        # Read after the update is written (no copy of it): non-finite only if an update broke the optimizer's
+        # promise (`check_updated=False`) or the state was so already.
+        nonfinite_state = (~all_finite(new_params, new_opt_state)).astype(jnp.float32)
         streak = jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32)
         new_state = TrainState(
-            params=jax.tree.map(keep, new_params, params),
-            opt_state=jax.tree.map(keep, new_opt_state, state.opt_state),
+            params=new_params,
+            opt_state=new_opt_state,
             step=state.step + finite.astype(jnp.int32),
             nonfinite_streak=streak,
             nonfinite_total=state.nonfinite_total + (~finite).astype(jnp.int32),
@@ -433,6 +470,7 @@ def make_train_step(
                 "train/loss_denom": scalar_metric(denom, 1.0),
                 "train/grad_norm": scalar_metric(grad_norm, 1.0),
                 "train/update_skipped": scalar_metric((~finite).astype(jnp.float32), 1.0),
+                "train/nonfinite_state": max_metric(nonfinite_state, jnp.ones(())),
                 "train/nonfinite_streak": last_metric(new_state.nonfinite_streak),
                 "train/nonfinite_total": last_metric(new_state.nonfinite_total),
                 "train/step": last_metric(new_state.step),
@@ -465,7 +503,16 @@ def make_train_step(
         state_shardings,
     )
     return TrainStep(
-        mesh, state_shardings, abstract_state, grad_accum, rows_per_example, params_spec, jitted, init, traces
+        mesh,
+        state_shardings,
+        abstract_state,
+        grad_accum,
+        rows_per_example,
+        params_spec,
+        check_updated,
+        jitted,
+        init,
+        traces,
     )
 
 
@@ -503,7 +550,7 @@ def make_algorithm_train_step(
         params_spec: the state's params (None: ``ParamsSpec.of_model(config)``; float32 master weights:
             ``ParamsSpec.of_model(config).with_master_dtype("float32")``).
         **kwargs: ``make_train_step``'s ``grad_accum``, ``learning_rate_fn``, ``donate``, ``compiler_options``,
-            ``rng_seed`` (LoRA dropout).
+            ``rng_seed`` (LoRA dropout), ``check_updated``.
 
     Raises:
         ValueError: naming an unknown hyperparameter, or a critic-based algorithm (no value head here).

@@ -151,6 +151,7 @@ def run_supervised(
         grad_accum=plan.grad_accum_steps,
         learning_rate_fn=schedule,
         rng_seed=run_setup.dropout_seed(config, model_config),
+        check_updated=False,  # build_optimizer's AdamW: finite in, finite out (make_optimizer)
     )
 
     def initial_params() -> Any:
