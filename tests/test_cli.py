@@ -107,7 +107,7 @@ def test_validation_path_never_imports_jax():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert "optim.lr=-1.0 is negative" in result.stderr
+    assert "optim.lr=-1.0 must be positive" in result.stderr
 
 
 def test_entries_name_the_contracted_functions():

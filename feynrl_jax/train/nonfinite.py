@@ -33,7 +33,8 @@ LIMIT_KEY = "optim.max_consecutive_nonfinite"
 
 
 class NonFiniteError(RunFailed):
-    """Raised when updates were skipped (non-finite) for too many consecutive steps, or for the whole run."""
+    """Raised when updates were skipped (non-finite) for too many consecutive steps, or for the whole run, or when
+    an applied update wrote a non-finite state (``train/nonfinite_state``)."""
 
 
 def all_finite(*trees: Any) -> jax.Array:
@@ -85,7 +86,8 @@ def check_restored_state(state: Any, where: str) -> None:
 
 
 class NonFiniteGuard:
-    """Checks the step's metrics on the host: too long a streak of skipped updates, or a run that skipped all.
+    """Checks the step's metrics on the host: too long a streak of skipped updates, an applied update that wrote a
+    non-finite state, or a run that skipped all.
 
     Args:
         max_consecutive: the most consecutive skipped updates tolerated (``optim.max_consecutive_nonfinite``);
@@ -125,9 +127,10 @@ class NonFiniteGuard:
         self.skipped_total = total
         where = "" if step is None else f" at step {step}"
         if STATE_METRIC in metrics and _value(metrics[STATE_METRIC]) > 0:
+            lr = "algo.critic_lr" if self.model == "critic" else "optim.lr"
             raise NonFiniteError(
                 f"{self._prefix()}the update{where} wrote NaN or infinite weights or optimizer state from a finite "
-                "gradient and loss; nothing of it was saved. Check optim.lr, optim.eps, optim.b1, optim.b2 and "
+                f"gradient and loss; nothing of it was saved. Check {lr}, optim.eps, optim.b1, optim.b2 and "
                 "optim.weight_decay (or the model's dtypes), then resume from the last checkpoint"
             )
         if streak > self.max_consecutive:

@@ -98,8 +98,9 @@ def make_optimizer(
     short of an update ``lr * (step + weight_decay * |w|)`` beyond float32's range. The learning rate and weight
     decay are finite; ``eps`` is a normal float32 (a weight whose gradient has always been 0 has a second moment of
     0, and ``0 / (0 + eps)`` is 0); ``b1`` and ``b2`` stay below 1 in float32, so the bias corrections ``1 - b**t``
-    are not 0; the gradient's squares are finite wherever its norm is; and Adam's step is a bounded multiple of 1
-    (Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015, section 2.1). So a train step on it skips an
+    are not 0; the gradient's squares are finite wherever its norm is; and Adam's step is bounded (by a constant,
+    Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015, section 2.1, or by ``|m| / eps`` where the
+    second moment is flushed to 0: below float32's range for a normal ``eps``). So a train step on it skips an
     update for a non-finite gradient norm or loss alone (``make_train_step(check_updated=False)``) and writes the
     update in place; the step still reads the written state (``train/nonfinite_state``) and the run stops should
     one turn out non-finite.
@@ -122,7 +123,8 @@ def make_optimizer(
     for name, value in (("weight_decay", weight_decay), ("eps", eps)):
         if not math.isfinite(value):
             raise ValueError(f"{name} must be finite, got {value}")
-    # In float32 (the optimizer state's dtype), `sqrt(v) + eps` and the bias corrections `1 - b**t` must not be 0.
+    # In float32 (the optimizer state's dtype; bfloat16 has its exponent range), `sqrt(v) + eps` and the bias
+    # corrections `1 - b**t` must not be 0.
     if not eps >= np.finfo(np.float32).tiny:
         raise ValueError(f"eps must be at least float32's smallest normal number, got {eps}")
     if not (0 <= b1 and 0 <= b2 and np.float32(b1) < 1 and np.float32(b2) < 1):

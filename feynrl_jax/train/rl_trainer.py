@@ -811,7 +811,7 @@ class RLTrainer:
 
         Raises:
             NonFiniteError: too many consecutive non-finite updates of the policy or the critic
-                (`optim.max_consecutive_nonfinite`).
+                (`optim.max_consecutive_nonfinite`), or an update that wrote a non-finite state.
         """
         self._wait_for_compile()
         order = np.random.default_rng(shuffle_seed)
@@ -868,8 +868,8 @@ class RLTrainer:
 
         Raises:
             ValueError: the batch does not hold `train.global_batch_size` rows.
-            NonFiniteError: too many consecutive skipped (non-finite) updates; at the run's last step
-                (`train.steps`), every update of the run skipped (`finish`).
+            NonFiniteError: too many consecutive skipped (non-finite) updates, or an update that wrote a
+                non-finite state; at the run's last step (`train.steps`), every update of the run skipped (`finish`).
         """
         t0 = time.perf_counter()
         n = rollouts.prompt_ids.shape[0]

@@ -23,10 +23,10 @@ bfloat16 forward pass is applied to the float32 masters, so updates smaller than
    until the choice is made. An optimizer that cannot turn a finite gradient, params and state into non-finite
    ones (``optimizer.make_optimizer``'s AdamW, which the runs use) needs the first test only
    (``check_updated=False``): the update then runs under a ``lax.cond`` on it, and XLA writes it into the donated
-   state's buffers (a SmolLM2-135M GRPO step holds 1.25 GiB of temporaries instead of 1.75,
+   state's buffers (``donate``; a SmolLM2-135M GRPO step holds 1.25 GiB of temporaries instead of 1.75,
    ``benchmarks/bench_update_guard.py``). The written state is still read once for NaN and infinities
-   (``train/nonfinite_state``, 1 when any): should an update break that promise, ``NonFiniteGuard`` stops the run
-   at once, before the state is saved.
+   (``train/nonfinite_state``, 1 when an applied update left any): should an update break that promise,
+   ``NonFiniteGuard`` stops the run at once, before the state is saved.
 
 Frozen params (``ParamsSpec.trainable``; the base weights under LoRA): the step differentiates and updates only the
 trained leaves, the optimizer state holds only theirs, and the frozen ones enter the jitted program as a separate
@@ -447,14 +447,15 @@ def make_train_step(
             keep = lambda new, old: jnp.where(finite, new, old)
             new_params = jax.tree.map(keep, new_params, params)
             new_opt_state = jax.tree.map(keep, new_opt_state, state.opt_state)
+            nonfinite_state = jnp.zeros((), jnp.float32)  # no non-finite update is kept
         else:
             # Chosen first, the update can overwrite the old state: the skipping branch returns it untouched.
             new_params, new_opt_state = jax.lax.cond(
                 finite, updated, lambda operand: (operand[2], operand[1]), (grads, state.opt_state, params)
             )
-        # Read after the update is written (no copy of it): non-finite only if an update broke the optimizer's
-        # promise (`check_updated=False`) or the state was so already.
-        nonfinite_state = (~all_finite(new_params, new_opt_state)).astype(jnp.float32)
+            # Read once the update is written (no copy of it): 1 only if an applied update broke the optimizer's
+            # promise.
+            nonfinite_state = (finite & ~all_finite(new_params, new_opt_state)).astype(jnp.float32)
         streak = jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32)
         new_state = TrainState(
             params=new_params,

@@ -127,7 +127,8 @@ def run_supervised(
     Raises:
         FileExistsError: the run folder holds checkpoints but `checkpoint.resume` is False.
         InputError: the restored checkpoint holds non-finite params (names the step folder).
-        NonFiniteError: too many consecutive skipped (non-finite) steps, or every step of the run skipped.
+        NonFiniteError: too many consecutive skipped (non-finite) steps, a step that wrote a non-finite state, or
+            every step of the run skipped.
     """
     validate(config, num_devices=jax.device_count())
     run_dir = config.run_dir
