@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,9 @@ def test_two_processes_match_one_process(tmp_path: Path):
 
     out = tmp_path / "params.npz"
     port = _free_port()
-    procs = []
+    # Each worker writes to a file of its own: a pipe left unread while the test waits for the other worker would
+    # block a worker that wrote more than the pipe holds, and with it the other, in their collectives.
+    procs, outputs = [], []
     for rank in range(PROCESSES):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_", "FEYNRL_", "TPU_"))}
         env.update(
@@ -83,21 +86,26 @@ def test_two_processes_match_one_process(tmp_path: Path):
             FEYNRL_PROCESS_ID=str(rank),
             PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")]),
         )
+        outputs.append(tempfile.TemporaryFile())
         procs.append(
             subprocess.Popen(
-                [sys.executable, __file__, str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                [sys.executable, __file__, str(out)], env=env, stdout=outputs[-1], stderr=subprocess.STDOUT
             )
         )
     # The one-process references compile and run while the workers do.
     reference, single = run("grpo", MESH_NAME), run("grpo", "single")
-    logs = []
     for proc in procs:
         try:
-            logs.append(proc.communicate(timeout=420)[0].decode(errors="replace"))
+            proc.wait(timeout=420)
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
             pytest.fail("multi-process workers did not finish within 420 s")
+    logs = []
+    for output in outputs:
+        output.seek(0)
+        logs.append(output.read().decode(errors="replace"))
+        output.close()
     for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
         assert proc.returncode == 0, f"process {rank} failed:\n{log[-4000:]}"
 
