@@ -5,7 +5,7 @@ keeping them (`check_updated=True`, the default for any other optax optimizer), 
 The step is `make_algorithm_train_step`'s GRPO step on a SmolLM2-135M-shaped model with random weights, float32,
 `model.remat="full"` (what "auto" picks on a CPU), shaped like the GRPO benchmark's update at 64 new tokens
 (`bench_grpo_vs_trl.py --max-new-tokens 64`): `--micro` micro-batches of one row of 64 prompt + 8 x 64 completion
-columns (the shared-prefix layout: one row per group).
+columns (the trainer's shared-prefix layout, `train.shared_prefix`: one row per group).
 
 For each variant it prints the temporary buffers XLA plans for the compiled step
 (`memory_analysis().temp_size_in_bytes`: what a step holds beside its params and optimizer state, which are donated
@@ -32,33 +32,35 @@ from bench_model_fwd_bwd import SMOLLM2_135M_SHAPES  # noqa: E402
 
 from feynrl_jax.losses import ALGORITHMS, TrainBatch  # noqa: E402
 from feynrl_jax.models import ModelConfig, init_params  # noqa: E402
+from feynrl_jax.rollout.types import Rollouts  # noqa: E402
 from feynrl_jax.sharding import RULES, make_mesh  # noqa: E402
 from feynrl_jax.train.optimizer import make_optimizer  # noqa: E402
+from feynrl_jax.train.shared_prefix import shared_prefix_rows  # noqa: E402
 from feynrl_jax.train.step import make_algorithm_train_step  # noqa: E402
 
 VARIANTS = {"checked": True, "in place": False}
 """Each variant's `check_updated`."""
 
 
-def grpo_batch(config: ModelConfig, rows: int, prompt: int, group: int, width: int) -> TrainBatch:
-    """`rows` rows of a prompt and `group` completions of `width` tokens behind it, completions scored."""
+def grpo_batch(config: ModelConfig, groups: int, prompt: int, group: int, width: int) -> TrainBatch:
+    """`groups` groups of a `prompt`-token prompt and `group` completions of `width` tokens, in the trainer's
+    shared-prefix layout (`train.shared_prefix.shared_prefix_rows`: one row per group), completions scored."""
     rng = np.random.default_rng(0)
-    n = prompt + group * width
-    tokens = rng.integers(1, config.vocab_size, (rows, n)).astype(np.int32)
-    completion = np.arange(n) >= prompt
-    segment = np.where(completion, 1 + (np.arange(n) - prompt) // width, 1)
-    positions = np.where(completion, prompt + (np.arange(n) - prompt) % width, np.arange(n))
-    loss_mask = np.broadcast_to(completion, (rows, n)).astype(np.float32)
-    advantages = rng.standard_normal((rows, n)).astype(np.float32) * loss_mask
-    old = np.full((rows, n), -4.0, np.float32) * loss_mask
-    return TrainBatch(
-        tokens,
-        np.broadcast_to(positions, (rows, n)).astype(np.int32),
-        np.broadcast_to(segment, (rows, n)).astype(np.int32),
-        loss_mask,
-        advantages,
-        old,
+    n = groups * group
+    rollouts = Rollouts(
+        prompt_ids=np.repeat(rng.integers(1, config.vocab_size, (groups, prompt)), group, axis=0).astype(np.int32),
+        prompt_lengths=np.full(n, prompt, np.int32),
+        completion_ids=rng.integers(1, config.vocab_size, (n, width)).astype(np.int32),
+        completion_mask=np.ones((n, width), np.float32),
+        behavior_logprobs=np.full((n, width), -4.0, np.float32),
+        finish_reason=np.zeros(n, np.int32),
+        group_id=np.arange(n, dtype=np.int32) // group,
+        policy_version=np.zeros(n, np.int32),
     )
+    rows = shared_prefix_rows(rollouts, prompt_width=prompt, completion_width=group * width, pad_id=0)
+    loss_mask = (rows.sample_row >= 0).astype(np.float32)
+    advantages = rng.standard_normal(loss_mask.shape).astype(np.float32) * loss_mask
+    return TrainBatch(rows.tokens, rows.positions, rows.segment_ids, loss_mask, advantages, -4.0 * loss_mask)
 
 
 def main() -> None:
@@ -105,13 +107,13 @@ def main() -> None:
             if round_ > 0:  # the first round warms up
                 seconds[name].append(time.perf_counter() - start)
             assert float(metrics["train/update_skipped"].value) == 0.0
-    difference = max(
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree.leaves(states["checked"].params), jax.tree.leaves(states["in place"].params))
-    )
     summary = f"in place / checked: temp {temps['in place'] / temps['checked']:.2f}x"
     summary += f" ({(temps['checked'] - temps['in place']) / param_bytes:.2f}x the params' bytes less)"
     if args.steps > 0:
+        difference = max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(jax.tree.leaves(states["checked"].params), jax.tree.leaves(states["in place"].params))
+        )
         median = {name: statistics.median(s) for name, s in seconds.items()}
         summary += f"; s/step {median['in place']:.2f} against {median['checked']:.2f}"
         summary += f", {median['in place'] / median['checked']:.2f}x; params' largest difference {difference:.1e}"

@@ -41,8 +41,8 @@ Metrics: a ``{name: Metric}`` dict, one update's, typed by how several updates c
 micro-batches; each "mean" then reported as its value with weight 1, so a step's updates count equally; "max" /
 "min" as they are), ``train/loss``, ``train/loss_denom``, ``train/grad_norm`` (before clipping) and
 ``train/update_skipped`` ("mean", weight 1); ``train/nonfinite_state`` ("max"); ``train/nonfinite_streak``,
-``train/nonfinite_total``,
-``train/step`` and, given a schedule, ``train/learning_rate`` ("last"). ``compute_metrics`` reads the values.
+``train/nonfinite_total``, ``train/step`` and, given a schedule, ``train/learning_rate`` ("last").
+``compute_metrics`` reads the values.
 """
 
 from __future__ import annotations
