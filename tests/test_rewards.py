@@ -1,5 +1,5 @@
-"""Rewards: the math answer table, GSM8K extraction, reasoning-gym scoring, format, DAPO overlong, weighted sums,
-the registry and the import rules.
+"""Rewards: the math answer table, math-verify's timeouts, GSM8K extraction, reasoning-gym scoring, format, DAPO
+overlong, weighted sums, the registry and the import rules.
 
 The math rewards run through the real RewardScorer (worker processes), since math-verify relies on signal.alarm.
 """
@@ -7,6 +7,7 @@ The math rewards run through the real RewardScorer (worker processes), since mat
 import json
 import subprocess
 import sys
+import threading
 import time
 from fractions import Fraction
 
@@ -15,20 +16,24 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import reasoning_gym
+from math_verify.errors import TimeoutException
 
 from feynrl_jax.rollout.rewards import (
     FORMAT_PATTERNS,
     RewardScorer,
+    RewardTimeout,
     WeightedSum,
     available_rewards,
     dapo_overlong_penalty,
     format_reward,
     gsm8k_reward,
     last_boxed_content,
+    math_answer,
     parse_number,
     register_reward,
     resolve_reward,
 )
+from feynrl_jax.rollout.rewards.math_answer import math_verify_reward
 from feynrl_jax.rollout.rewards.reasoning_gym_reward import reasoning_gym_reward
 
 # (gold answer, completion, expected math_verify, expected gsm8k (strict: needs "####")).
@@ -90,8 +95,10 @@ def test_math_answer_table(math_scorer):
         )
         if (mv, gs) != (w_mv, w_gs)
     ]
-    assert not bad, "rows (gold, completion, math_verify, gsm8k, want math_verify, want gsm8k):\n" + "\n".join(
-        map(repr, bad)
+    assert not bad, (
+        "rows (gold, completion, math_verify, gsm8k, want math_verify, want gsm8k):\n"
+        + "\n".join(map(repr, bad))
+        + f"\nfailed calls (a math-verify bound that fired reads RewardTimeout): {math_scorer.last_errors}"
     )
     np.testing.assert_allclose(rewards, np.add(want_mv, want_gsm))
     assert metrics["rollout/reward/math_verify/timeouts"] == 0
@@ -114,6 +121,106 @@ def test_math_verify_reads_configured_answer_field_and_tag():
     np.testing.assert_array_equal(per_reward["math_verify"], [1.0, 0.0, 0.0])
     # The third example lacks "solution": an error, scored 0 and counted.
     assert metrics["rollout/reward/math_verify/errors"] == 1
+
+
+# Completions that make math-verify overrun a 1 s bound: parsing 60 nested parentheses and comparing 2000000! with a
+# number each take 15-25 s unbounded on a 2-core machine, so far more than 1 s anywhere.
+PARSE_OVERRUN = r"\boxed{" + "(" * 60 + "1" + ")" * 60 + "}"
+VERIFY_OVERRUN = r"\boxed{2000000!}"
+
+
+def test_math_verify_reward_raises_reward_timeout_when_a_bound_fires():
+    with pytest.raises(RewardTimeout, match="^math-verify parsing the completion exceeded parsing_timeout_s=1 s$"):
+        math_verify_reward("q", PARSE_OVERRUN, {"answer": "1"}, parsing_timeout_s=1)
+    with pytest.raises(RewardTimeout, match="^math-verify comparison exceeded verify_timeout_s=1 s$"):
+        math_verify_reward("q", VERIFY_OVERRUN, {"answer": "1"}, verify_timeout_s=1)
+    # A gold answer whose parse overruns is a timeout each time, not a cached "could not be parsed".
+    for _ in range(2):
+        with pytest.raises(RewardTimeout, match="parsing the gold answer exceeded parsing_timeout_s=1 s"):
+            math_verify_reward("q", "#### 1", {"answer": PARSE_OVERRUN}, parsing_timeout_s=1)
+
+
+def test_math_verify_timeouts_are_counted_as_timeouts_not_wrong_answers():
+    kwargs = {"math_verify": {"parsing_timeout_s": 1, "verify_timeout_s": 1}}
+    completions = [PARSE_OVERRUN, "#### 1", VERIFY_OVERRUN, "#### 2"]
+    with RewardScorer({"math_verify": 1.0}, reward_kwargs=kwargs, timeout_s=60.0, num_workers=1) as scorer:
+        pids = scorer.worker_pids
+        _, per_reward, metrics = scorer.score(["q"] * 4, completions, [{"answer": "1"}] * 4)
+        assert scorer.worker_pids == pids  # the reward returned control: no worker was killed
+        errors = scorer.last_errors
+    np.testing.assert_array_equal(per_reward["math_verify"], [0.0, 1.0, 0.0, 0.0])
+    assert metrics["rollout/reward/math_verify/timeouts"] == 2
+    assert metrics["rollout/reward/math_verify/errors"] == 0
+    assert metrics["rollout/reward/math_verify/failed_frac"] == 0.5
+    assert errors == [
+        (0, "math_verify", "RewardTimeout: math-verify parsing the completion exceeded parsing_timeout_s=1 s"),
+        (2, "math_verify", "RewardTimeout: math-verify comparison exceeded verify_timeout_s=1 s"),
+    ]
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+    # No "^", "*" or "!": a power tower or a huge factorial is a (legitimate) timeout, not an unparseable answer.
+    completion=st.text(alphabet="0123456789+-/(){}[]\\$ xyabcfrqst.,=<>_&", max_size=30),
+    gold=st.sampled_from(["1", "(1, 2)", r"\{1,2\}", "x^2+1", "x=1", r"\frac{1}{2}"]),
+)
+def test_math_verify_reward_scores_any_text_without_raising(completion, gold):
+    assert math_verify_reward("q", completion, {"answer": gold}) in (0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "completion", ["I don't know.", r"\boxed{\frac{1}{", r"\boxed{)(}", "$$$", "<answer></answer>"]
+)
+def test_math_verify_reward_scores_an_unparseable_answer_zero(completion):
+    assert math_verify_reward("q", completion, {"answer": "1"}) == 0.0
+
+
+def test_math_verify_errors_other_than_timeouts_mean_no_answer_and_not_equal(monkeypatch):
+    # No real input found makes math-verify raise an ordinary error (it catches nearly all itself): fake them.
+    real_parse, real_verify = math_answer.parse, math_answer.verify
+
+    def parse_failing_on_7(text, *args, **kwargs):
+        if "7" in text:
+            raise ValueError("cannot parse")
+        return real_parse(text, *args, **kwargs)
+
+    def verify_failing(*args, **kwargs):
+        raise TypeError("cannot compare")
+
+    monkeypatch.setattr(math_answer, "parse", parse_failing_on_7)
+    assert math_verify_reward("q", "#### 7", {"answer": "1"}) == 0.0
+    assert math_verify_reward("q", "#### 1", {"answer": "1"}) == 1.0
+    monkeypatch.setattr(math_answer, "verify", verify_failing)
+    assert math_verify_reward("q", "#### 1", {"answer": "1"}) == 0.0
+
+    # A pair whose comparison times out does not hide an equal pair: parse("1") is [1, "1"], and the string pair
+    # ("1", "1") is equal while every pair with a SymPy side times out.
+    def verify_timing_out_on_sympy(gold, predicted, **kwargs):
+        if not isinstance(predicted[0], str):
+            raise TimeoutException("Timeout during comparison")
+        return real_verify(gold, predicted, **kwargs)
+
+    monkeypatch.setattr(math_answer, "verify", verify_timing_out_on_sympy)
+    assert math_verify_reward("q", "#### 1", {"answer": "1"}) == 1.0
+    with pytest.raises(RewardTimeout, match="verify_timeout_s=3 s"):
+        math_verify_reward("q", "#### 2", {"answer": "1"})
+
+
+def test_math_verify_reward_refuses_a_thread_unless_its_bounds_are_off():
+    results = {}
+
+    def call(name, **kwargs):
+        try:
+            results[name] = math_verify_reward("q", "#### 1", {"answer": "1"}, **kwargs)
+        except ValueError as e:
+            results[name] = e
+
+    for name, kwargs in [("bounded", {}), ("unbounded", {"parsing_timeout_s": 0, "verify_timeout_s": 0})]:
+        thread = threading.Thread(target=call, args=(name,), kwargs=kwargs)
+        thread.start()
+        thread.join()
+    assert "works only in a process's main thread" in str(results["bounded"])
+    assert results["unbounded"] == 1.0
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,15 @@ import numpy as np
 import pytest
 
 from feynrl_jax.errors import InputError
-from feynrl_jax.rollout.rewards import RewardError, RewardScorer, TimeoutProcessPool, WeightedSum, bind_reward
-from feynrl_jax.rollout.rewards.process_pool import worker_imports
+from feynrl_jax.rollout.rewards import (
+    RewardError,
+    RewardScorer,
+    RewardTimeout,
+    TimeoutProcessPool,
+    WeightedSum,
+    bind_reward,
+)
+from feynrl_jax.rollout.rewards.process_pool import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, worker_imports
 
 # The pool's timeouts are checked against the wall clock, to a few seconds: nothing runs beside these tests.
 pytestmark = pytest.mark.serial
@@ -48,6 +55,13 @@ def dying_reward(prompt, completion, example):
 
 def nan_reward(prompt, completion, example):
     return float("nan")
+
+
+def giving_up_reward(prompt, completion, example):
+    """Gives up on rows marked "give_up" (as a reward whose own time bound fired), else scores its worker's pid."""
+    if example.get("give_up"):
+        raise RewardTimeout("my own 2 s bound fired")
+    return float(os.getpid())
 
 
 def _alive(pid):
@@ -188,6 +202,36 @@ def test_non_finite_reward_is_an_error():
     np.testing.assert_array_equal(result.values, [[0.0, 2.0]])
     np.testing.assert_array_equal(result.status, [[1, 0]])
     assert result.errors == [(0, 0, "ValueError: reward returned a non-finite value nan")]
+
+
+def test_a_reward_reporting_its_own_timeout_is_a_timeout_and_keeps_its_worker():
+    functions = [giving_up_reward, raising_reward]
+    rows = [("p", "a", {}), ("p", "bb", {"give_up": True, "raise": True}), ("p", "ccc", {})]
+    # One call per chunk, and a pool timeout the test never reaches: the timeout below is the reward's own.
+    with TimeoutProcessPool(functions, num_workers=1, timeout_s=600.0, max_chunk=1) as pool:
+        result = pool.map(rows)
+        (pid,) = pool.worker_pids
+        assert pool.workers_replaced == 0
+    # The worker that gave up on row 1 went on to serve row 2.
+    np.testing.assert_array_equal(result.values, [[pid, 1.0], [0.0, 0.0], [pid, 3.0]])
+    np.testing.assert_array_equal(
+        result.status,
+        [[STATUS_OK, STATUS_OK], [STATUS_TIMEOUT, STATUS_ERROR], [STATUS_OK, STATUS_OK]],
+    )
+    assert result.errors == [(1, 0, "RewardTimeout: my own 2 s bound fired"), (1, 1, "ZeroDivisionError: bad row")]
+
+
+def test_the_scorer_counts_a_reward_reporting_its_own_timeout_as_a_timeout():
+    name = f"{__name__}:giving_up_reward"
+    examples = [{}, {"give_up": True}, {}, {"give_up": True}]
+    with RewardScorer({name: 0.0}, timeout_s=600.0, num_workers=1) as scorer:
+        _, per_reward, metrics = scorer.score(["p"] * 4, ["c"] * 4, examples)
+        assert per_reward[name][1] == per_reward[name][3] == 0.0
+        assert per_reward[name][0] == per_reward[name][2] == scorer.worker_pids[0]
+        assert scorer.last_errors == [(i, name, "RewardTimeout: my own 2 s bound fired") for i in (1, 3)]
+    assert metrics[f"rollout/reward/{name}/timeouts"] == 2
+    assert metrics[f"rollout/reward/{name}/errors"] == 0
+    assert metrics[f"rollout/reward/{name}/failed_frac"] == 0.5
 
 
 def test_many_cheap_items_are_fast_and_ordered():

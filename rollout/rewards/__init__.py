@@ -5,7 +5,8 @@ Built-in rewards (registered names, imported lazily): ``math_verify`` (math-veri
 ``dapo_overlong`` (DAPO's soft overlong penalty), ``latency`` (waits like a remote judge, scores 0).
 :class:`RewardScorer` runs a weighted sum of them in worker
 processes with a per-call timeout and returns per-reward metrics; a reward that fails on too much of a batch
-raises :class:`RewardError` (an ``InputError``, exit code 2).
+raises :class:`RewardError` (an ``InputError``, exit code 2). A reward whose own time bound fires raises
+:class:`RewardTimeout`, which the scorer counts as a timeout.
 
 This package imports neither ``feynrl_jax.losses`` nor ``ray`` nor ``torch``; of the rest of the package, only
 ``feynrl_jax.errors``.
@@ -26,7 +27,7 @@ from feynrl_jax.rollout.rewards.overlong_penalty import (
     dapo_overlong_penalty,
     dapo_overlong_reward,
 )
-from feynrl_jax.rollout.rewards.process_pool import PoolResult, TimeoutProcessPool
+from feynrl_jax.rollout.rewards.process_pool import PoolResult, RewardTimeout, TimeoutProcessPool
 from feynrl_jax.rollout.rewards.registry import RewardFn, available_rewards, register_reward, resolve_reward
 from feynrl_jax.rollout.rewards.scorer import RewardError, RewardScorer
 from feynrl_jax.rollout.rewards.weighted_sum import WeightedSum, bind_reward
@@ -38,6 +39,7 @@ __all__ = [
     "RewardError",
     "RewardFn",
     "RewardScorer",
+    "RewardTimeout",
     "TimeoutProcessPool",
     "WeightedSum",
     "after_last_gsm8k_marker",

@@ -7,16 +7,23 @@ symbolically and numerically (``\\frac{1}{2}`` == ``0.5`` == ``1/2``, ``(1, 2)``
 
 math-verify bounds its own parsing and comparison with ``signal.alarm``, which works only in the main thread of
 a process: this reward must run in a worker process (the :class:`~feynrl_jax.rollout.rewards.scorer.RewardScorer`
-pool does that), never in a thread. Its own timeouts return "not equal" silently; the pool's per-item timeout is
-the hard bound on top.
+pool does that), never in a thread. When one of those bounds fires, the reward raises
+:class:`~feynrl_jax.rollout.rewards.process_pool.RewardTimeout` (naming the bound), which the pool scores 0 and
+counts as a timeout, so a timeout is never mistaken for a wrong answer; a comparison that timed out raises only when
+no other (gold, predicted) pair is equal. Any other error inside math-verify means what it means in math-verify by
+default: an unparseable text yields no answer, a comparison that fails is "not equal". The pool's per-item timeout
+is the hard bound on top.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import threading
 from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from math_verify.errors import TimeoutException
 
 from feynrl_jax.rollout.rewards.answer_extraction import (
     after_last_gsm8k_marker,
@@ -24,33 +31,64 @@ from feynrl_jax.rollout.rewards.answer_extraction import (
     last_nonempty_line,
     last_tag_content,
 )
+from feynrl_jax.rollout.rewards.process_pool import RewardTimeout
 
 # \boxed{} first (priority 0), then the other LaTeX anchors, then plain expressions.
 _EXTRACTION = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
 
 
-def _parse(text: str, timeout_s: int) -> list:
-    """math-verify parse with our extractors; a bare string that yields nothing is retried as inline math."""
-    parsed = parse(text, _EXTRACTION, parsing_timeout=timeout_s)
+def _parse_once(text: str, timeout_s: int, what: str) -> list:
+    """math-verify's parse with our extractors: ``[]`` when it fails; :class:`RewardTimeout` when its bound fires."""
+    try:
+        return parse(text, _EXTRACTION, parsing_timeout=timeout_s, raise_on_error=True)
+    except TimeoutException as e:
+        raise RewardTimeout(f"math-verify parsing {what} exceeded parsing_timeout_s={timeout_s} s") from e
+    except Exception:  # math-verify's default (raise_on_error=False): no answer.
+        return []
+
+
+def _parse(text: str, timeout_s: int, what: str) -> list:
+    """Parses ``text``; a bare string that yields nothing is retried as inline math."""
+    parsed = _parse_once(text, timeout_s, what)
     if not parsed:
         line = last_nonempty_line(text)
         if line is not None and "$" not in line:
-            parsed = parse(f"${line}$", _EXTRACTION, parsing_timeout=timeout_s)
+            parsed = _parse_once(f"${line}$", timeout_s, what)
     return parsed
 
 
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(gold_text: str, timeout_s: int) -> list:
-    """Parses a gold answer (cached: the n samples of one prompt share it)."""
+    """Parses a gold answer (cached: the n samples of one prompt share it; a timeout raises, so is not cached)."""
     marked = after_last_gsm8k_marker(gold_text)
     if marked is not None:
         gold_text = marked
     if "$" not in gold_text and "\\boxed" not in gold_text:
         # A bare gold answer ("\frac{1}{2}", "(1, 2)", "x^2+1") is math, not prose: parse it as inline LaTeX.
-        parsed = parse(f"${gold_text}$", _EXTRACTION, parsing_timeout=timeout_s)
+        parsed = _parse_once(f"${gold_text}$", timeout_s, "the gold answer")
         if parsed:
             return parsed
-    return _parse(gold_text, timeout_s)
+    return _parse(gold_text, timeout_s, "the gold answer")
+
+
+def _equal(gold: list, predicted: list, timeout_s: int) -> bool:
+    """Whether math-verify finds any (gold, predicted) pair equal, comparing pair by pair as its ``verify`` does.
+
+    A pair whose comparison raises is unequal (math-verify's default); a pair whose comparison times out raises
+    :class:`RewardTimeout`, but only after every other pair was compared and none was equal.
+    """
+    timed_out = False
+    for gold_item, predicted_item in itertools.product(gold, predicted):
+        try:
+            if verify([gold_item], [predicted_item], timeout_seconds=timeout_s, raise_on_error=True):
+                return True
+        except TimeoutException:
+            timed_out = True
+        except Exception:  # math-verify's default (raise_on_error=False): not equal.
+            pass
+    if timed_out:
+        raise RewardTimeout(f"math-verify comparison exceeded verify_timeout_s={timeout_s} s")
+    return False
 
 
 def extract_answer_text(completion: str, *, answer_tag: str = "answer") -> str:
@@ -90,17 +128,26 @@ def math_verify_reward(
         ``\\boxed{}`` solution or a GSM8K ``#### n`` solution).
       answer_key: the field holding the gold answer.
       answer_tag: the tag whose last block holds the final answer when present (``<answer>...</answer>``).
-      parsing_timeout_s: math-verify's own bound per parse, whole seconds (``signal.alarm``).
-      verify_timeout_s: math-verify's own bound per comparison, whole seconds.
+      parsing_timeout_s: math-verify's own bound per parse, whole seconds (``signal.alarm``); 0 disables it.
+      verify_timeout_s: math-verify's own bound per comparison, whole seconds; 0 disables it.
 
     Returns:
       1.0 or 0.0.
 
     Raises:
       KeyError: when the example has no ``answer_key`` field.
-      ValueError: when the gold answer cannot be parsed (naming the key).
+      ValueError: when the gold answer cannot be parsed (naming the key), or a bound is set and the reward is called
+        outside a process's main thread (where ``signal.alarm`` cannot work).
+      RewardTimeout: when parsing the gold answer or the completion's answer, or comparing them, exceeds its bound.
     """
     del prompt
+    if (parsing_timeout_s or verify_timeout_s) and threading.current_thread() is not threading.main_thread():
+        # Checked here: math-verify's own error for this case is an ordinary exception, which _parse_once and
+        # _equal read as "no answer" and "not equal".
+        raise ValueError(
+            "math_verify_reward bounds math-verify with signal.alarm, which works only in a process's main thread: "
+            "run it in the RewardScorer's worker processes, or set parsing_timeout_s and verify_timeout_s to 0"
+        )
     if answer_key not in example:
         raise KeyError(f"example has no gold answer field {answer_key!r} (fields: {sorted(example)})")
     gold_text = str(example[answer_key])
@@ -109,7 +156,7 @@ def math_verify_reward(
         raise ValueError(f"gold answer field {answer_key!r} could not be parsed: {gold_text[-200:]!r}")
     if not completion.strip():
         return 0.0
-    predicted = _parse(extract_answer_text(completion, answer_tag=answer_tag), parsing_timeout_s)
+    predicted = _parse(extract_answer_text(completion, answer_tag=answer_tag), parsing_timeout_s, "the completion")
     if not predicted:
         return 0.0
-    return float(verify(gold, predicted, timeout_seconds=verify_timeout_s))
+    return float(_equal(gold, predicted, verify_timeout_s))

@@ -15,13 +15,17 @@ Why processes, and why not ``multiprocessing.Pool`` or ``concurrent.futures``:
   those modules during its start-up, bounded by ``start_timeout_s``, so the per-call timeout never pays for them.
 
 Protocol: a worker receives a chunk (a list of ``(row, reward_index)`` calls plus the rows' data), runs the calls
-in order and sends one message per finished call. The parent's deadline for a busy worker is the time of its last
-message plus ``timeout_s``, so every single call gets ``timeout_s``, however long the chunk. When the deadline
-passes, the call in progress is known (the first one not yet reported), scored 0 and counted as a timeout.
+in order and sends one message per finished call (its row, reward index, value, status and error message). The
+parent's deadline for a busy worker is the time of its last message plus ``timeout_s``, so every single call gets
+``timeout_s``, however long the chunk. When the deadline passes, the call in progress is known (the first one not
+yet reported), scored 0 and counted as a timeout.
 
 A reward that raises scores 0 and is counted as an error (its message kept); a worker that dies (a segfault, an
-``os._exit`` in a reward) costs the call in progress the same way. Workers ignore SIGINT (the parent decides when
-they stop), are daemonic, and exit on their own when the parent process disappears.
+``os._exit`` in a reward) costs the call in progress the same way. A reward that bounds its own work (math-verify's
+``signal.alarm``) raises :class:`RewardTimeout` when that bound fires: the call scores 0 and is counted as a timeout
+(its message kept), like a call the parent cut off, but the worker got control back and goes on serving. Workers
+ignore SIGINT (the parent decides when they stop), are daemonic, and exit on their own when the parent process
+disappears.
 """
 
 from __future__ import annotations
@@ -55,6 +59,14 @@ STATUS_ERROR = 1
 STATUS_TIMEOUT = 2
 
 _PARENT_POLL_S = 1.0
+
+
+class RewardTimeout(Exception):
+    """Raised by a reward whose own time bound fired (math-verify's ``signal.alarm``, a judge's request timeout).
+
+    The pool scores the call 0 and counts it as a timeout (``STATUS_TIMEOUT``), not an error, with this message; the
+    worker process is kept, since the reward returned control.
+    """
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -141,9 +153,11 @@ def _worker_main(conn: multiprocessing.connection.Connection, payload: bytes) ->
                 value = float(functions[index](prompt, completion, example))
                 if not math.isfinite(value):
                     raise ValueError(f"reward returned a non-finite value {value!r}")
-                conn.send((row, index, value, None))
+                conn.send((row, index, value, STATUS_OK, None))
+            except RewardTimeout as e:  # The reward's own bound fired: a timeout, and the worker is fine.
+                conn.send((row, index, 0.0, STATUS_TIMEOUT, _describe(e)))
             except Exception as e:  # A failing reward scores 0 and is counted, by design.
-                conn.send((row, index, 0.0, _describe(e)))
+                conn.send((row, index, 0.0, STATUS_ERROR, _describe(e)))
 
 
 @dataclasses.dataclass(eq=False)
@@ -392,11 +406,11 @@ class TimeoutProcessPool:
                 elif message[0] == "init_error":
                     raise RuntimeError(f"reward worker failed to start:\n{message[1]}")
                 else:
-                    row, index, value, error = message
+                    row, index, value, code, error = message
                     expected = worker.calls[0] if worker.calls else None
                     if expected != (row, index):
                         raise RuntimeError(f"reward worker protocol error: got {(row, index)}, expected {expected}")
-                    finish(worker, value, STATUS_OK if error is None else STATUS_ERROR, error)
+                    finish(worker, value, code, error)
             now = time.monotonic()
             for worker in list(self._workers):
                 if not worker.ready and now > worker.started_at + self.start_timeout_s:
