@@ -37,7 +37,13 @@ CASES = {
         {"train.shared_prefix": "on", "train.pack_sequences": False, "train.micro_batch_size": 16},
         (True, False),
     ),
-    "grpo_packed": ("grpo", {"train.shared_prefix": "off", "train.pack_sequences": True}, (False, True)),
+    # Rematerialisation "full" (the CPU default; the tiny model's is "none"): 2 micro-batches whose layers'
+    # gradient the model adds into the accumulator in place (`grad_sink`).
+    "grpo_packed": (
+        "grpo",
+        {"train.shared_prefix": "off", "train.pack_sequences": True, "model.remat": "full"},
+        (False, True),
+    ),
     "grpo_lora": ("grpo", {"train.shared_prefix": "off", "model.lora.rank": 4}, (False, True)),
     "grpo_bf16_masters_two_mini_batches": (
         "grpo",
@@ -131,6 +137,9 @@ def test_the_first_update_runs_the_train_step_compiled_in_the_background(tmp_pat
         assert trainer.train_step.trace_count == 1
         # The runs' AdamW keeps finite inputs finite: the steps choose the update before computing it.
         assert not any(s.check_updated for s in (trainer.train_step, trainer.critic_step) if s is not None)
+        # Accumulating micro-batches, with rematerialisation "full" and every param trained in float32, the policy's
+        # model adds the layers' gradient into the accumulator in place.
+        assert trainer.train_step.sinks_layer_grads == (case == "grpo_packed"), case
         expected_updates = config.train.ppo_epochs * config.train.mini_batches
         assert metrics["train/updates"] == expected_updates and np.isfinite(metrics["train/loss"])
         assert (trainer.shared_prefix, trainer.pack) == layout

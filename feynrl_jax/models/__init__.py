@@ -2,7 +2,8 @@
 
 The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `placeholder_params`, `forward`, `KVCache`, `init_cache`,
 `cache_dtype`, `logits`, `sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`, `SegmentBounds`
-(blocked attention over packed rows of short segments).
+(blocked attention over packed rows of short segments), `sinks_layer_grads` (whether `forward` can add the layers'
+gradient into an accumulator in place, its `grad_sink`).
 """
 
 from feynrl_jax.models.block_attention import SegmentBounds
@@ -18,6 +19,7 @@ from feynrl_jax.models.decoder import (
     logits,
     param_shapes,
     placeholder_params,
+    sinks_layer_grads,
     unstack_layers,
 )
 from feynrl_jax.models.logprobs import predecessor_hidden, sequence_logprobs, token_logprobs_from_hidden
@@ -39,6 +41,7 @@ __all__ = [
     "placeholder_params",
     "predecessor_hidden",
     "sequence_logprobs",
+    "sinks_layer_grads",
     "token_logprobs_from_hidden",
     "unstack_layers",
 ]

@@ -338,6 +338,7 @@ def forward(
     attend_len: int | None = None,
     dropout_rng: jax.Array | None = None,
     segment_bounds: block_attention.SegmentBounds | None = None,
+    grad_sink: Params | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder up to and including the final norm.
 
@@ -371,10 +372,20 @@ def forward(
             Without `cache`, attention then runs in blocks of queries where that scores fewer pairs than the
             dense mask; real tokens get the same outputs (up to the order of float32 sums). Rows that break
             the bounds get wrong outputs: check them on the host first (`SegmentBounds.check`).
+        grad_sink: a gradient accumulator shaped like `params["layers"]` (stacked), or None. With it, the layers'
+            gradient is not returned on its own but added into the accumulator layer by layer, in place, during
+            the backward pass: the gradient `jax.grad` gives for `params["layers"]` is then `grad_sink` plus this
+            pass's gradient (`_layers_into_sink`), and the accumulator's buffer is the only one of that size.
+            Only where `sinks_layer_grads(config, remat)` holds, without `cache`, with stacked layers in the
+            accumulator's dtype, and only from a pass that `jax.grad` differentiates (the accumulator reaches the
+            result through the backward pass alone).
 
     Returns:
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
     """
+    if grad_sink is not None:
+        _check_sink(params, grad_sink, config, remat, cache)
+    raw_layers = params["layers"]
     dtype = jnp.dtype(config.compute_dtype)
     mm = onednn.use_onednn(config.cpu_matmul, dtype, tokens.shape[1] == 1)  # the products in oneDNN (on a CPU)
     params = as_param_dtype(params, config)
@@ -451,6 +462,11 @@ def forward(
         mask = cache_mask(positions, keys.shape[-1], window)
         return attend(q, keys, values, mask, mm), (ck, cv)
 
+    if grad_sink is not None:
+        x = _layers_into_sink(block, packed_attention, x, raw_layers, grad_sink, config)
+        x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
+        return x, None
+
     policy = config.resolved_remat(remat)
     if policy != "none":
         block = jax.checkpoint(block, policy=_remat_policy(policy, mm), prevent_cse=False, static_argnums=(3,))
@@ -465,6 +481,95 @@ def forward(
         )
     x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
     return x, cache
+
+
+def sinks_layer_grads(config: ModelConfig, remat: str | None = None) -> bool:
+    """Whether `forward` can add the layers' gradient into an accumulator in place (`grad_sink`) for `config`.
+
+    The sink's backward pass recomputes each layer from its input, as rematerialisation policy "full" does, so it
+    serves passes that run with that policy (the default on a CPU, `ModelConfig.resolved_remat`); LoRA passes
+    train the adapters alone, whose gradients are small, and take the ordinary path.
+    """
+    return config.resolved_remat(remat) == "full" and not config.lora_rank
+
+
+def _check_sink(params: Params, sink: Params, config: ModelConfig, remat: str | None, cache) -> None:
+    """Raises a `ValueError` unless `forward` can run its layers into `sink` (see `forward`'s `grad_sink`)."""
+    if not sinks_layer_grads(config, remat):
+        raise ValueError(f"grad_sink needs remat 'full' and no LoRA (remat {config.resolved_remat(remat)!r})")
+    if cache is not None or isinstance(params["layers"], tuple):
+        raise ValueError("grad_sink serves training passes: stacked layers and no cache")
+    shapes = jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), params["layers"])
+    if jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), sink) != shapes:
+        raise ValueError("grad_sink must match params['layers'] in structure, shapes and dtypes")
+
+
+def _layers_into_sink(block, attention, x, layers, sink, config):
+    """The stacked layers as one `lax.scan`, whose backward pass adds each layer's gradient into `sink`.
+
+    Forward: the layers run in a scan that keeps each layer's input (what rematerialisation "full" keeps). Backward
+    (`_sink_scan`): a reverse scan recomputes layer `l` from its input, takes its vector-Jacobian product and adds
+    the weights' part into row `l` of the accumulator, a loop-carried buffer that XLA updates in place. The
+    gradient of a stack of layers otherwise comes out as a stack of its own, which a caller accumulating several
+    micro-batches adds to its accumulator afterwards: two buffers of the layers' size at once (PyTorch adds into
+    `.grad` in place for the same reason). `layers` are the params as given (the accumulator's dtype); each layer
+    is rounded to `param_dtype` and cast to the compute dtype where it is used, as `forward` does to the stack.
+    """
+    windows = jnp.asarray([_NO_WINDOW if w is None else w for w in config.layer_windows()], jnp.int32)
+    any_window = any(w is not None for w in config.layer_windows())
+    param_dtype, dtype = jnp.dtype(config.param_dtype), jnp.dtype(config.compute_dtype)
+
+    def one_layer(x, p, window):
+        p = _in_dtype(_in_dtype(p, param_dtype), dtype)
+        return block(x, p, window if any_window else None, attention, None)[0]
+
+    first = jax.tree.map(lambda a: a[0], layers)
+    # The layer closes over the batch's traced structure (rotary tables, masks, block indices): explicit arguments
+    # of the custom rule, so that its backward pass can recompute the layer.
+    converted, consts = jax.closure_convert(one_layer, x, first, windows[0])
+    return _sink_scan(converted, x, layers, sink, windows, tuple(consts))
+
+
+def _scan_layers(layer_fn, x, layers, windows, consts, keep_inputs: bool):
+    def body(x, one):
+        p, window = one
+        return layer_fn(x, p, window, *consts), (x if keep_inputs else None)
+
+    return jax.lax.scan(body, x, (layers, windows))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sink_scan(layer_fn, x, layers, sink, windows, consts):
+    return _scan_layers(layer_fn, x, layers, windows, consts, keep_inputs=False)[0]
+
+
+def _sink_scan_fwd(layer_fn, x, layers, sink, windows, consts):
+    out, inputs = _scan_layers(layer_fn, x, layers, windows, consts, keep_inputs=True)
+    return out, (inputs, layers, sink, windows, consts)
+
+
+def _sink_scan_bwd(layer_fn, residuals, ct):
+    inputs, layers, sink, windows, consts = residuals
+
+    def body(carry, index):
+        dx, acc = carry
+        p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), layers)
+        _, vjp = jax.vjp(lambda x, p: layer_fn(x, p, windows[index], *consts), inputs[index], p)
+        dx, dp = vjp(dx)
+
+        def add(a, g):
+            row = jax.lax.dynamic_index_in_dim(a, index, keepdims=False) + g.astype(a.dtype)
+            return jax.lax.dynamic_update_index_in_dim(a, row, index, 0)
+
+        return (dx, jax.tree.map(add, acc, dp)), None
+
+    num = windows.shape[0]
+    (dx, acc), _ = jax.lax.scan(body, (ct, sink), jnp.arange(num - 1, -1, -1))
+    # The accumulator is the layers' cotangent; the sink, the windows and the batch structure get none.
+    return dx, acc, None, None, jax.tree.map(lambda _: None, consts)
+
+
+_sink_scan.defvjp(_sink_scan_fwd, _sink_scan_bwd)
 
 
 def _dropout_per_target(key: jax.Array | None, rate: float) -> dict[str, tuple | None]:

@@ -128,6 +128,7 @@ def sequence_logprobs(
     first_column: int = 1,
     dropout_rng: jax.Array | None = None,
     segment_bounds: SegmentBounds | None = None,
+    grad_sink: Params | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probabilities of `tokens` under the model, aligned with `tokens`.
 
@@ -152,6 +153,7 @@ def sequence_logprobs(
             at or after a known column skips the output projection over its prompts).
         dropout_rng: `forward`'s LoRA dropout key (training passes), or None.
         segment_bounds: `forward`'s static bounds on the rows' segments (blocked attention), or None.
+        grad_sink: `forward`'s accumulator of the layers' gradient (training passes under `jax.grad`), or None.
 
     Returns:
         `(logprobs [B, T] f32, entropy [B, T] f32 or None)`.
@@ -165,6 +167,7 @@ def sequence_logprobs(
         remat=remat,
         dropout_rng=dropout_rng,
         segment_bounds=segment_bounds,
+        grad_sink=grad_sink,
     )
     b, t = tokens.shape
     start = max(1, first_column)

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from feynrl_jax.errors import InputError, RunFailed
 from feynrl_jax.losses.metrics import Metric
@@ -164,5 +165,13 @@ def _count(value: Any) -> int:
 
 
 def _value(value: Any) -> float:
-    """A metric's value, given as its ``Metric`` or as a scalar."""
-    return float(value.value if isinstance(value, Metric) else value)
+    """A metric's value, given as its ``Metric`` or as a scalar; read on the host (``Metric.value`` would compile and
+    run a JAX program of its own for it)."""
+    if not isinstance(value, Metric):
+        return float(value)
+    total, weight = float(np.asarray(value.total)), float(np.asarray(value.weight))
+    if value.reduce == "last":
+        return total
+    if value.reduce == "mean":
+        return total / weight if weight != 0 else 0.0
+    return total if weight > 0 else 0.0

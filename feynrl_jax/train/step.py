@@ -13,7 +13,12 @@ bfloat16 forward pass is applied to the float32 masters, so updates smaller than
 
 1. the batch ``[B, T]`` is dealt into ``grad_accum`` micro-batches (``microbatch.split_microbatches``);
 2. ``lax.scan`` over them runs ``predict`` (cast to float32), calls the loss (with ``entropy=`` when predict
-   returned one), and accumulates the gradient of the loss's ``total`` together with its ``denom``;
+   returned one), and accumulates the gradient of the loss's ``total`` together with its ``denom``. Where
+   ``predict`` takes a sink (``model_logprob_fn`` under rematerialisation "full", the default on a CPU) and every
+   param trains in float32, the model adds the layers' gradient into the accumulator in place during its backward
+   pass (``models.forward``'s ``grad_sink``), as PyTorch adds into ``.grad``: no second buffer of the layers' size
+   (a SmolLM2-135M GRPO step of 4 micro-batches: 1.00 GiB of temporaries instead of 1.25,
+   ``benchmarks/bench_grad_sink.py``);
 3. the summed gradient is divided by the summed denominator, so any number of micro-batches gives the
    gradient of one large batch (the losses return ``(total, denom)``, not means; Tunix's ``WeightedMetric``);
 4. the optimizer is applied; when the gradient norm or the loss is not finite, or (``check_updated``, the
@@ -59,7 +64,15 @@ from jax.sharding import Mesh, NamedSharding
 
 from feynrl_jax.losses import Algorithm, LossSum, TrainBatch, combine_metrics
 from feynrl_jax.losses.metrics import Metric, last_metric, max_metric, scalar_metric
-from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, logical_axes, lora, sequence_logprobs
+from feynrl_jax.models import (
+    ModelConfig,
+    SegmentBounds,
+    init_params,
+    logical_axes,
+    lora,
+    sequence_logprobs,
+    sinks_layer_grads,
+)
 from feynrl_jax.models.logprobs import CHUNK_SIZE, CHUNK_TOKENS
 from feynrl_jax.sharding import (
     batch_size_multiple,
@@ -171,11 +184,15 @@ def model_logprob_fn(
             where that is cheaper), or None.
 
     Returns:
-        A ``Predict``: ``(params, batch, rng=None) -> (logprobs [B, T] f32, entropy [B, T] f32 or None)``; ``rng``
-        is the LoRA dropout key of a training pass (``config.lora_dropout``; ``make_train_step``'s ``rng_seed``).
+        A ``Predict``: ``(params, batch, rng=None, grad_sink=None) -> (logprobs [B, T] f32, entropy [B, T] f32 or
+        None)``; ``rng`` is the LoRA dropout key of a training pass (``config.lora_dropout``; ``make_train_step``'s
+        ``rng_seed``), ``grad_sink`` the accumulator the layers' gradient is added into (``models.forward``). Its
+        attribute ``sinks_layer_grads`` says whether it takes one (``models.sinks_layer_grads``).
     """
 
-    def predict(params: Any, batch: TrainBatch, rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    def predict(
+        params: Any, batch: TrainBatch, rng: jax.Array | None = None, grad_sink: Any | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
         return sequence_logprobs(
             params,
             batch.tokens,
@@ -190,8 +207,10 @@ def model_logprob_fn(
             first_column=first_column,
             dropout_rng=rng,
             segment_bounds=segment_bounds,
+            grad_sink=grad_sink,
         )
 
+    predict.sinks_layer_grads = sinks_layer_grads(config, remat)
     return predict
 
 
@@ -212,6 +231,9 @@ class TrainStep:
         params_spec: the params' spec: which leaves train (``ParamsSpec.trainable``).
         check_updated: whether an update is also skipped for non-finite new params or optimizer state
             (``make_train_step``).
+        sinks_layer_grads: whether the model adds each micro-batch's layer gradients into the accumulator in place
+            (``models.forward``'s ``grad_sink``): several micro-batches, a ``predict`` that takes a sink
+            (``model_logprob_fn`` with rematerialisation "full"), every param trained in float32.
     """
 
     mesh: Mesh
@@ -221,6 +243,7 @@ class TrainStep:
     rows_per_example: int
     params_spec: ParamsSpec
     check_updated: bool
+    sinks_layer_grads: bool
     _jitted: Callable[[TrainState, Any, TrainBatch], tuple[TrainState, dict[str, Metric]]]
     _init: Callable[[Any], TrainState]
     _traces: list[int]
@@ -378,11 +401,28 @@ def make_train_step(
     )
     traces = [0]
 
+    # Accumulating micro-batches, the model adds the layers' gradient into the accumulator in place (`grad_sink`,
+    # `models.forward`) instead of returning a stack of its own to be added afterwards: one buffer of the layers'
+    # size instead of two. Where every param trains in float32, the accumulator's dtype. The accumulator comes back
+    # through the model's backward pass, which JAX skips only for a loss that does not depend on the model's output
+    # at all; every micro-batch's gradient, and so the sum it would drop, is then zero.
+    sink = (
+        grad_accum > 1
+        and getattr(predict, "sinks_layer_grads", False)
+        and params_spec.trainable is None
+        and isinstance(params_shape, Mapping)
+        and "layers" in params_shape
+        and all(jnp.dtype(x.dtype) == jnp.float32 for x in jax.tree.leaves(params_shape["layers"]))
+    )
+
     def micro_loss(
-        trained: Any, frozen: Any, micro: TrainBatch, rng: jax.Array | None
+        trained: Any, frozen: Any, micro: TrainBatch, rng: jax.Array | None, layer_sink: Any | None
     ) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
         params = lora.union(frozen, trained)
-        per_token, entropy = predict(params, micro) if rng is None else predict(params, micro, rng=rng)
+        extra = {} if rng is None else {"rng": rng}
+        if layer_sink is not None:
+            extra["grad_sink"] = layer_sink
+        per_token, entropy = predict(params, micro, **extra)
         extra = {} if entropy is None else {"entropy": entropy}
         loss_sum, metrics = loss_fn(per_token.astype(jnp.float32), micro, **extra)
         return loss_sum.total, (loss_sum.denom, metrics)
@@ -395,10 +435,15 @@ def make_train_step(
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(rng_seed), step), index)
 
     def micro_grads(
-        params: Any, frozen: Any, micro: TrainBatch, rng: jax.Array | None
+        params: Any, frozen: Any, micro: TrainBatch, rng: jax.Array | None, acc: Any | None = None
     ) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
-        (total, (denom, metrics)), grads = grad_fn(params, frozen, _constrain_batch(micro, mesh), rng)
+        """A micro-batch's gradient, or with ``acc`` (an accumulator) the sum of the two."""
+        layer_sink = acc["layers"] if acc is not None and sink else None
+        (total, (denom, metrics)), grads = grad_fn(params, frozen, _constrain_batch(micro, mesh), rng, layer_sink)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        if acc is not None:  # the layers' part already holds the accumulator (`grad_sink`)
+            summed = jax.tree.map(jnp.add, acc, grads)
+            grads = {**summed, "layers": grads["layers"]} if layer_sink is not None else summed
         grads = jax.lax.with_sharding_constraint(grads, trained_shardings)
         return grads, total.astype(jnp.float32), denom.astype(jnp.float32), metrics
 
@@ -415,12 +460,17 @@ def make_train_step(
                 g_acc, t_acc, d_acc = carry
                 one, index = one
                 rng = micro_rng(state.step, index)
-                run = lambda: micro_grads(params, frozen, one, rng)  # noqa: E731
+                run = lambda acc: micro_grads(params, frozen, one, rng, acc)  # noqa: E731
+
+                def skip(acc):
+                    _, t, d, m = _no_grads(functools.partial(run, acc))
+                    return acc, t, d, m
+
                 # A micro-batch of padding alone (the tail of a packed mini-batch, `packed_units`) is skipped:
                 # `lax.cond` runs one branch, so it costs no forward or backward pass.
-                g, t, d, m = jax.lax.cond(jnp.any(one.segment_ids != 0), run, lambda: _no_grads(run))
-                g = jax.lax.with_sharding_constraint(g, trained_shardings)
-                return (jax.tree.map(jnp.add, g_acc, g), t_acc + t, d_acc + d), m
+                g_acc, t, d, m = jax.lax.cond(jnp.any(one.segment_ids != 0), run, skip, g_acc)
+                g_acc = jax.lax.with_sharding_constraint(g_acc, trained_shardings)
+                return (g_acc, t_acc + t, d_acc + d), m
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             zeros = jax.lax.with_sharding_constraint(zeros, trained_shardings)
@@ -511,6 +561,7 @@ def make_train_step(
         rows_per_example,
         params_spec,
         check_updated,
+        sink,
         jitted,
         init,
         traces,
