@@ -3,11 +3,12 @@ uses it to accumulate micro-batches.
 
 With a sink, `jax.grad` of a loss over the model gives `sink + the pass's gradient` for the stacked layers and the
 pass's gradient for every other param. The sink's backward pass runs the same float32 operations per layer as the
-scan's own transpose (recompute the layer, its vector-Jacobian product, one addition), so the two agree to a few
-float32 ulps (1e-6 of the largest gradient; measured 6.5e-8, the rounding of `sink + gradient` itself). In
-bfloat16 compute, each layer's bfloat16 gradient is widened and added where the ordinary pass widens the whole stack
-first: the same values (measured 6.5e-8 too), up to XLA fusing the bfloat16 backward pass differently on another
-CPU (1e-2 of the largest gradient, under 3 bfloat16 ulps of 2^-8).
+scan's own transpose (recompute the layer, its vector-Jacobian product, one addition), so the result is the float64
+sum `sink + gradient` up to its own float32 rounding (2 ulps of the sum) and to the two programs fusing the
+backward pass differently (1e-6 of the largest gradient). Measured: exactly the float32 sum. In bfloat16 compute,
+each layer's bfloat16 gradient is widened and added where the ordinary pass widens the whole stack first: the same
+values (measured: exactly), up to XLA fusing the bfloat16 backward pass differently on another CPU (1e-2 of the
+largest gradient, under 3 bfloat16 ulps of 2^-8).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def test_the_sink_receives_the_layers_gradient_and_the_rest_is_unchanged(case):
     assert scale > 1e-3  # the pass has a gradient worth comparing
     for got, want, into in zip(*(jax.tree.leaves(t) for t in (sunk["layers"], plain["layers"], sink)), strict=True):
         assert got.dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(got - into), np.asarray(want), rtol=0, atol=rtol * scale)
+        expected = np.asarray(into, np.float64) + np.asarray(want, np.float64)
+        ulps = 2 * np.finfo(np.float32).eps * np.max(np.abs(expected))
+        np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=0, atol=ulps + rtol * scale)
     others = lambda g: {k: v for k, v in g.items() if k != "layers"}  # noqa: E731
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=1e-7),
@@ -136,16 +139,19 @@ def test_forward_refuses_a_sink_it_cannot_fill():
     assert not sinks_layer_grads(dataclasses.replace(CONFIG, lora_rank=4, lora_targets=("q_proj",)))
 
 
-def build_step(config: ModelConfig, grad_accum: int, *, sinking: bool = True, master: str | None = None):
+def build_step(
+    config: ModelConfig, grad_accum: int, *, sinking: bool = True, master: str | None = None, mesh: str = "single"
+):
     predict = model_logprob_fn(config, chunk_size=8, first_column=PROMPT)
     if not sinking:  # the same function without the mark: the step accumulates the returned stacks
         predict = lambda *a, predict=predict, **k: predict(*a, **k)  # noqa: E731
     optimizer, _ = make_optimizer(1e-3, schedule="constant", weight_decay=0.01)
+    sizes, rules = {"single": ((1, 1, 1), "dp"), "fsdp4_tp2": ((1, 4, 2), "fsdp_tp")}[mesh]
     return make_train_step(
         ALGORITHMS["grpo"].make_loss(kl_coef=0.0),
         optimizer,
-        make_mesh(1, 1, 1, devices=jax.devices()[:1]),
-        RULES["dp"],
+        make_mesh(*sizes, devices=jax.devices()[:1] if mesh == "single" else None),
+        RULES[rules],
         predict=predict,
         params_spec=ParamsSpec.of_model(config).with_master_dtype(master),
         grad_accum=grad_accum,
@@ -159,17 +165,32 @@ def test_which_steps_sink_the_layers_gradient():
     assert not build_step(CONFIG, 1).sinks_layer_grads  # nothing to accumulate
     assert not build_step(CONFIG, 2, sinking=False).sinks_layer_grads
     assert not build_step(dataclasses.replace(CONFIG, remat="none"), 2).sinks_layer_grads
+    # bfloat16 compute keeps the ordinary path (the sink was measured in float32), masters or not.
     bf16 = dataclasses.replace(CONFIG, param_dtype="bfloat16", compute_dtype="bfloat16")
-    assert build_step(bf16, 2, master="float32").sinks_layer_grads  # float32 masters hold the gradient
-    assert not build_step(bf16, 2).sinks_layer_grads  # bfloat16 params: a float32 accumulator is not their dtype
+    assert not build_step(bf16, 2, master="float32").sinks_layer_grads
+    assert not build_step(bf16, 2).sinks_layer_grads
 
 
-def test_a_step_accumulating_into_the_sink_takes_the_same_steps():
+@pytest.mark.parametrize("mesh", ["single", "fsdp4_tp2"])
+def test_a_step_accumulating_into_the_sink_takes_the_same_steps(mesh):
+    # 16 group rows in 4 micro-batches (rows are dealt: micro-batch m holds rows m, m + 4, ...); on fsdp4_tp2 the
+    # accumulator is sharded like the params. Micro-batch 1 is padding alone in the second step: its branch of the
+    # step's `lax.cond` returns the accumulator as it is.
     params = jax.tree.map(np.asarray, init_params(CONFIG, jax.random.key(0)))
-    steps = {sinking: build_step(CONFIG, 4, sinking=sinking) for sinking in (True, False)}
+    steps = {sinking: build_step(CONFIG, 4, sinking=sinking, mesh=mesh) for sinking in (True, False)}
+    assert steps[True].sinks_layer_grads and not steps[False].sinks_layer_grads
     states = {sinking: step.init_state(params) for sinking, step in steps.items()}
     for seed in range(2):
-        batch = grpo_batch(CONFIG, groups=4, seed=seed)
+        batch = grpo_batch(CONFIG, groups=16, seed=seed)
+        if seed == 1:
+            padding = np.zeros(16, bool)
+            padding[1::4] = True
+            batch = dataclasses.replace(
+                batch,
+                segment_ids=np.where(padding[:, None], 0, batch.segment_ids),
+                loss_mask=np.where(padding[:, None], 0.0, batch.loss_mask).astype(np.float32),
+                advantages=np.where(padding[:, None], 0.0, batch.advantages).astype(np.float32),
+            )
         metrics = {}
         for sinking, step in steps.items():
             states[sinking], metrics[sinking] = step(states[sinking], step.place_batch(batch))
@@ -180,6 +201,8 @@ def test_a_step_accumulating_into_the_sink_takes_the_same_steps():
         float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(states[True].params), jax.tree.leaves(params))
     )
     assert moved > 1e-4
+    # The same float32 operations in both programs (measured: equal params); AdamW's step divides by the root of the
+    # second moment, so an ulp of a gradient near 0 may move a weight by more: 1e-5 relative, 1e-6 absolute.
     for got, want in zip(jax.tree.leaves(states[True].params), jax.tree.leaves(states[False].params), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 

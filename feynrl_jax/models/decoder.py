@@ -377,8 +377,9 @@ def forward(
             the backward pass: the gradient `jax.grad` gives for `params["layers"]` is then `grad_sink` plus this
             pass's gradient (`_layers_into_sink`), and the accumulator's buffer is the only one of that size.
             Only where `sinks_layer_grads(config, remat)` holds, without `cache`, with stacked layers in the
-            accumulator's dtype, and only from a pass that `jax.grad` differentiates (the accumulator reaches the
-            result through the backward pass alone).
+            accumulator's dtype, and from exactly one pass of the function `jax.grad` differentiates, never under
+            `vmap`: the accumulator reaches the result through this pass's backward pass alone (a second pass with
+            the same sink would add it twice, a pass the loss does not depend on would drop it).
 
     Returns:
         `(hidden [B, T, D] in compute dtype, updated cache or None)`; the cache has the form it was given in.
@@ -524,13 +525,17 @@ def _layers_into_sink(block, attention, x, layers, sink, config):
         return block(x, p, window if any_window else None, attention, None)[0]
 
     first = jax.tree.map(lambda a: a[0], layers)
-    # The layer closes over the batch's traced structure (rotary tables, masks, block indices): explicit arguments
-    # of the custom rule, so that its backward pass can recompute the layer.
+    # The layer closes over the batch's traced structure. Its float arrays (the rotary tables) become explicit
+    # arguments of the custom rule; the integer and boolean ones (masks, block indices) stay closed over, which
+    # holds because the rule's forward and backward passes are traced within the same trace as the caller.
     converted, consts = jax.closure_convert(one_layer, x, first, windows[0])
     return _sink_scan(converted, x, layers, sink, windows, tuple(consts))
 
 
 def _scan_layers(layer_fn, x, layers, windows, consts, keep_inputs: bool):
+    """`lax.scan` of `layer_fn(x, layer, window, *consts)` over the stacked layers; with `keep_inputs` also each
+    layer's input, stacked."""
+
     def body(x, one):
         p, window = one
         return layer_fn(x, p, window, *consts), (x if keep_inputs else None)

@@ -153,7 +153,7 @@ def sequence_logprobs(
             at or after a known column skips the output projection over its prompts).
         dropout_rng: `forward`'s LoRA dropout key (training passes), or None.
         segment_bounds: `forward`'s static bounds on the rows' segments (blocked attention), or None.
-        grad_sink: `forward`'s accumulator of the layers' gradient (training passes under `jax.grad`), or None.
+        grad_sink: `forward`'s accumulator of the layers' gradient (one training pass under `jax.grad`), or None.
 
     Returns:
         `(logprobs [B, T] f32, entropy [B, T] f32 or None)`.

@@ -21,10 +21,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from feynrl_jax.errors import InputError, RunFailed
-from feynrl_jax.losses.metrics import Metric
+from feynrl_jax.losses.metrics import Metric, combine_updates
 
 STATE_METRIC = "train/nonfinite_state"
 STREAK_METRIC = "train/nonfinite_streak"
@@ -165,13 +164,6 @@ def _count(value: Any) -> int:
 
 
 def _value(value: Any) -> float:
-    """A metric's value, given as its ``Metric`` or as a scalar; read on the host (``Metric.value`` would compile and
-    run a JAX program of its own for it)."""
-    if not isinstance(value, Metric):
-        return float(value)
-    total, weight = float(np.asarray(value.total)), float(np.asarray(value.weight))
-    if value.reduce == "last":
-        return total
-    if value.reduce == "mean":
-        return total / weight if weight != 0 else 0.0
-    return total if weight > 0 else 0.0
+    """A metric's value, given as its ``Metric`` or as a scalar; read on the host (``combine_updates``:
+    ``Metric.value`` would compile and run a JAX program of its own for it)."""
+    return combine_updates([{"value": value}])["value"] if isinstance(value, Metric) else float(value)

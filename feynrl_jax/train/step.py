@@ -14,10 +14,10 @@ bfloat16 forward pass is applied to the float32 masters, so updates smaller than
 1. the batch ``[B, T]`` is dealt into ``grad_accum`` micro-batches (``microbatch.split_microbatches``);
 2. ``lax.scan`` over them runs ``predict`` (cast to float32), calls the loss (with ``entropy=`` when predict
    returned one), and accumulates the gradient of the loss's ``total`` together with its ``denom``. Where
-   ``predict`` takes a sink (``model_logprob_fn`` under rematerialisation "full", the default on a CPU) and every
-   param trains in float32, the model adds the layers' gradient into the accumulator in place during its backward
-   pass (``models.forward``'s ``grad_sink``), as PyTorch adds into ``.grad``: no second buffer of the layers' size
-   (a SmolLM2-135M GRPO step of 4 micro-batches: 1.00 GiB of temporaries instead of 1.25,
+   ``predict`` takes a sink (``model_logprob_fn`` under rematerialisation "full", the default on a CPU, computing in
+   float32) and every param trains in float32, the model adds the layers' gradient into the accumulator in place
+   during its backward pass (``models.forward``'s ``grad_sink``), as PyTorch adds into ``.grad``: no second buffer
+   of the layers' size (a SmolLM2-135M GRPO step of 4 micro-batches: 1.00 GiB of temporaries instead of 1.25,
    ``benchmarks/bench_grad_sink.py``);
 3. the summed gradient is divided by the summed denominator, so any number of micro-batches gives the
    gradient of one large batch (the losses return ``(total, denom)``, not means; Tunix's ``WeightedMetric``);
@@ -210,7 +210,9 @@ def model_logprob_fn(
             grad_sink=grad_sink,
         )
 
-    predict.sinks_layer_grads = sinks_layer_grads(config, remat)
+    # Measured in float32 (benchmarks/bench_grad_sink.py); bfloat16 compute would cast each layer inside the scan, which
+    # XLA:CPU made slow before (`models.forward`), so it keeps the ordinary path until measured.
+    predict.sinks_layer_grads = sinks_layer_grads(config, remat) and jnp.dtype(config.compute_dtype) == jnp.float32
     return predict
 
 
@@ -233,7 +235,8 @@ class TrainStep:
             (``make_train_step``).
         sinks_layer_grads: whether the model adds each micro-batch's layer gradients into the accumulator in place
             (``models.forward``'s ``grad_sink``): several micro-batches, a ``predict`` that takes a sink
-            (``model_logprob_fn`` with rematerialisation "full"), every param trained in float32.
+            (``model_logprob_fn`` with rematerialisation "full" and float32 compute), every param trained in float32.
+            The critic's step does not (its values come from ``critic_values``).
     """
 
     mesh: Mesh
@@ -356,7 +359,8 @@ def make_train_step(
         rules: a rules table (``feynrl_jax.sharding.RULES[...]``).
         predict: ``(params, batch) -> (per_token [B, T], entropy [B, T] or None)``: the policy's
             log-probabilities (``model_logprob_fn``) or another per-token prediction (the critic's values). The
-            loss gets ``entropy=`` only when predict returns one.
+            loss gets ``entropy=`` only when predict returns one. It is called with ``rng=`` given ``rng_seed``,
+            and with ``grad_sink=`` when its attribute ``sinks_layer_grads`` is true (``model_logprob_fn``'s).
         params_spec: the params' logical axes, shapes and dtypes (``ParamsSpec.of_model(config)`` for a model
             config; ``.with_master_dtype("float32")`` for float32 master weights): the dtypes of the state's params
             and optimizer state. ``predict`` sees the state's params and casts them as it needs.
@@ -419,10 +423,10 @@ def make_train_step(
         trained: Any, frozen: Any, micro: TrainBatch, rng: jax.Array | None, layer_sink: Any | None
     ) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
         params = lora.union(frozen, trained)
-        extra = {} if rng is None else {"rng": rng}
+        options = {} if rng is None else {"rng": rng}
         if layer_sink is not None:
-            extra["grad_sink"] = layer_sink
-        per_token, entropy = predict(params, micro, **extra)
+            options["grad_sink"] = layer_sink
+        per_token, entropy = predict(params, micro, **options)
         extra = {} if entropy is None else {"entropy": entropy}
         loss_sum, metrics = loss_fn(per_token.astype(jnp.float32), micro, **extra)
         return loss_sum.total, (loss_sum.denom, metrics)

@@ -68,7 +68,8 @@ def state_bytes(config: ModelConfig) -> int:
     """Estimated bytes of the train state and step buffers: the params, and for each trained weight (the adapters
     alone under LoRA, `ParamsSpec.trainable`) two optimizer moments and two float32 gradient buffers; where the model
     computes in a narrower dtype than its params, the copy of the layer weights `forward` casts once per pass (and
-    that keeps through the backward pass)."""
+    that keeps through the backward pass). A step that adds the layers' gradient into its accumulator in place
+    (`TrainStep.sinks_layer_grads`) holds about one gradient buffer of the layers less: the estimate errs high."""
     spec = ParamsSpec.of_model(config)
     leaves = jax.tree_util.tree_leaves_with_path(spec.shape)
     params = sum(x.size * x.dtype.itemsize for _, x in leaves)
