@@ -22,10 +22,9 @@ import pytest
 
 from feynrl_jax.losses import ALGORITHMS, TrainBatch
 from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, sequence_logprobs, sinks_layer_grads
-from feynrl_jax.rollout.types import Rollouts
 from feynrl_jax.sharding import RULES, make_mesh
+from feynrl_jax.testing.batches import shared_prefix_batch
 from feynrl_jax.train.optimizer import make_optimizer
-from feynrl_jax.train.shared_prefix import shared_prefix_rows
 from feynrl_jax.train.step import ParamsSpec, make_train_step, model_logprob_fn
 
 CONFIG = ModelConfig(
@@ -43,25 +42,10 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 
 
 def grpo_batch(config: ModelConfig, groups: int, seed: int = 0) -> TrainBatch:
-    """`groups` rows in the trainer's shared-prefix layout (a prompt, then its completions as continuation
-    segments), completions of random lengths, random advantages."""
-    rng = np.random.default_rng(seed)
-    n = groups * GROUP
-    lengths = rng.integers(2, WIDTH + 1, n)
-    rollouts = Rollouts(
-        prompt_ids=np.repeat(rng.integers(1, config.vocab_size, (groups, PROMPT)), GROUP, axis=0).astype(np.int32),
-        prompt_lengths=np.full(n, PROMPT, np.int32),
-        completion_ids=rng.integers(1, config.vocab_size, (n, WIDTH)).astype(np.int32),
-        completion_mask=(np.arange(WIDTH)[None] < lengths[:, None]).astype(np.float32),
-        behavior_logprobs=np.full((n, WIDTH), -4.0, np.float32),
-        finish_reason=np.zeros(n, np.int32),
-        group_id=np.arange(n, dtype=np.int32) // GROUP,
-        policy_version=np.zeros(n, np.int32),
+    """`groups` rows in the trainer's shared-prefix layout, completions of random lengths, random advantages."""
+    return shared_prefix_batch(
+        config.vocab_size, groups, prompt=PROMPT, group=GROUP, width=WIDTH, seed=seed, min_length=2
     )
-    rows = shared_prefix_rows(rollouts, prompt_width=PROMPT, completion_width=GROUP * WIDTH, pad_id=0)
-    loss_mask = (rows.sample_row >= 0).astype(np.float32)
-    advantages = rng.standard_normal(loss_mask.shape).astype(np.float32) * loss_mask
-    return TrainBatch(rows.tokens, rows.positions, rows.segment_ids, loss_mask, advantages, -4.0 * loss_mask)
 
 
 CASES = {

@@ -516,8 +516,7 @@ def _layers_into_sink(block, attention, x, layers, sink, config):
     `.grad` in place for the same reason). `layers` are the params as given (the accumulator's dtype); each layer
     is rounded to `param_dtype` and cast to the compute dtype where it is used, as `forward` does to the stack.
     """
-    windows = jnp.asarray([_NO_WINDOW if w is None else w for w in config.layer_windows()], jnp.int32)
-    any_window = any(w is not None for w in config.layer_windows())
+    windows, any_window = _window_table(config)
     param_dtype, dtype = jnp.dtype(config.param_dtype), jnp.dtype(config.compute_dtype)
 
     def one_layer(x, p, window):
@@ -585,13 +584,20 @@ def _dropout_per_target(key: jax.Array | None, rate: float) -> dict[str, tuple |
     return {target: (keys[i], rate) for i, target in enumerate(LORA_TARGETS)}
 
 
+def _window_table(config: ModelConfig) -> tuple[jax.Array, bool]:
+    """`([L] int32 sliding window per layer, _NO_WINDOW where none), whether any layer has one)`: what the layer
+    scans feed each layer."""
+    windows = config.layer_windows()
+    table = jnp.asarray([_NO_WINDOW if w is None else w for w in windows], jnp.int32)
+    return table, any(w is not None for w in windows)
+
+
 def _scanned_layers(block, packed_attention, cached_attention, x, layers, cache, config, layer_keys):
     """`lax.scan` over stacked layers; a per-layer cache is stacked and split again."""
     per_layer = cache is not None and isinstance(cache.k, tuple)
     if per_layer:
         cache = cache.stack()
-    windows = jnp.asarray([_NO_WINDOW if w is None else w for w in config.layer_windows()], jnp.int32)
-    any_window = any(w is not None for w in config.layer_windows())
+    windows, any_window = _window_table(config)
 
     # The cache rides in the scan carry and each layer writes its slice in place (XLA updates a loop-carried
     # buffer without copying it, and the caller donates the cache); passing it through the scan as xs -> ys

@@ -28,10 +28,10 @@ bfloat16 forward pass is applied to the float32 masters, so updates smaller than
    until the choice is made. An optimizer that cannot turn a finite gradient, params and state into non-finite
    ones (``optimizer.make_optimizer``'s AdamW, which the runs use) needs the first test only
    (``check_updated=False``): the update then runs under a ``lax.cond`` on it, and XLA writes it into the donated
-   state's buffers (``donate``; a SmolLM2-135M GRPO step holds 1.25 GiB of temporaries instead of 1.75,
-   ``benchmarks/bench_update_guard.py``). The written state is still read once for NaN and infinities
-   (``train/nonfinite_state``, 1 when an applied update left any): should an update break that promise,
-   ``NonFiniteGuard`` stops the run at once, before the state is saved.
+   state's buffers (``donate``; a SmolLM2-135M GRPO step of 4 micro-batches held 1.25 GiB of temporaries instead of
+   1.75, and 1.00 since the layers' gradient is accumulated in place, ``benchmarks/bench_update_guard.py``). The
+   written state is still read once for NaN and infinities (``train/nonfinite_state``, 1 when an applied update left
+   any): should an update break that promise, ``NonFiniteGuard`` stops the run at once, before the state is saved.
 
 Frozen params (``ParamsSpec.trainable``; the base weights under LoRA): the step differentiates and updates only the
 trained leaves, the optimizer state holds only theirs, and the frozen ones enter the jitted program as a separate
@@ -317,13 +317,13 @@ def _neutral(metric: Any) -> Metric:
     return Metric(jnp.full(metric.total.shape, fill, metric.total.dtype), jnp.zeros_like(metric.weight), metric.reduce)
 
 
-def _no_grads(run: Callable[[], Any]) -> Any:
-    """What ``run`` (a micro-batch's ``(grads, total, denom, metrics)``) returns for a micro-batch of padding alone:
-    zero gradients, total and denominator, and neutral metrics (``_neutral``), without running it."""
-    grads, total, denom, metrics = jax.eval_shape(run)
+def _padding_alone(run: Callable[[Any], Any], acc: Any) -> Any:
+    """What ``run(acc)`` (a micro-batch's ``(accumulated gradients, total, denom, metrics)``) returns for a micro-batch
+    of padding alone: the accumulator as it is, zero total and denominator, and neutral metrics (``_neutral``),
+    without running it."""
+    _, total, denom, metrics = jax.eval_shape(run, acc)
     zeros = lambda x: jnp.zeros(x.shape, x.dtype)  # noqa: E731
-    metrics = {name: _neutral(m) for name, m in metrics.items()}
-    return jax.tree.map(zeros, grads), zeros(total), zeros(denom), metrics
+    return acc, zeros(total), zeros(denom), {name: _neutral(m) for name, m in metrics.items()}
 
 
 def _per_update(metric: Metric) -> Metric:
@@ -465,13 +465,9 @@ def make_train_step(
                 one, index = one
                 rng = micro_rng(state.step, index)
                 run = lambda acc: micro_grads(params, frozen, one, rng, acc)  # noqa: E731
-
-                def skip(acc):
-                    _, t, d, m = _no_grads(functools.partial(run, acc))
-                    return acc, t, d, m
-
                 # A micro-batch of padding alone (the tail of a packed mini-batch, `packed_units`) is skipped:
                 # `lax.cond` runs one branch, so it costs no forward or backward pass.
+                skip = functools.partial(_padding_alone, run)
                 g_acc, t, d, m = jax.lax.cond(jnp.any(one.segment_ids != 0), run, skip, g_acc)
                 g_acc = jax.lax.with_sharding_constraint(g_acc, trained_shardings)
                 return (g_acc, t_acc + t, d_acc + d), m
