@@ -3,11 +3,15 @@
 own, added to the accumulator afterwards, side by side in one process.
 
 The step is the GRPO step of the runs (`make_train_step` on the GRPO loss, `model_logprob_fn`,
-`check_updated=False`) on a SmolLM2-135M-shaped model with random weights, float32, `model.remat="full"` (what
-"auto" picks on a CPU), shaped like the GRPO benchmark's update at 64 new tokens (`bench_grpo_vs_trl.py
---max-new-tokens 64`): `--micro` micro-batches of one row of 64 prompt + 8 x 64 completion columns in the
-trainer's shared-prefix layout (`testing.batches.shared_prefix_batch`). The other variant's `predict` is the same
-function without the `sinks_layer_grads` mark, so the step accumulates as it did before the sink.
+`check_updated=False`) or, with `--model critic`, PPO's critic step (`make_critic_train_step`: the value loss over
+`critic_values`, whose backbone's layers sink), on a SmolLM2-135M-shaped model with random weights,
+`model.remat="full"` (what "auto" picks on a CPU), shaped like the GRPO benchmark's update at 64 new tokens
+(`bench_grpo_vs_trl.py --max-new-tokens 64`): `--micro` micro-batches of one row of 64 prompt + 8 x 64 completion
+columns in the trainer's shared-prefix layout (`testing.batches.shared_prefix_batch`). The other variant's
+`predict` is the same function without the `layer_sink` mark, so the step accumulates as it did before the sink.
+
+`--precision bfloat16`: bfloat16 weights and compute from float32 master weights (`model.master_dtype`), the
+accumulator float32, as `model.master_dtype="float32"` trains a bfloat16 model.
 
 For each variant it prints the temporary buffers XLA plans for the compiled step
 (`memory_analysis().temp_size_in_bytes`) and, with `--steps` > 0, the seconds per step (the variants alternate,
@@ -15,6 +19,8 @@ For each variant it prints the temporary buffers XLA plans for the compiled step
 
 Run:
     python benchmarks/bench_grad_sink.py --steps 3
+    python benchmarks/bench_grad_sink.py --steps 3 --model critic
+    python benchmarks/bench_grad_sink.py --steps 3 --precision bfloat16
 """
 
 from __future__ import annotations
@@ -23,38 +29,90 @@ from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
 reexec_with_allocator_tunables()  # the allocator every other benchmark and `make` runs with
 
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from bench_update_guard import compare_steps, step_setup  # noqa: E402
 
 from feynrl_jax.losses import ALGORITHMS  # noqa: E402
 from feynrl_jax.sharding import RULES  # noqa: E402
+from feynrl_jax.train.critic import (  # noqa: E402
+    critic_params_spec,
+    critic_values,
+    init_critic_params,
+    make_critic_train_step,
+    value_loss,
+)
 from feynrl_jax.train.optimizer import make_optimizer  # noqa: E402
 from feynrl_jax.train.step import ParamsSpec, TrainStep, make_train_step, model_logprob_fn  # noqa: E402
 
 
+def options(parser) -> None:
+    parser.add_argument("--model", choices=("policy", "critic"), default="policy")
+    parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
+
+
 def main() -> None:
-    args, config, params, batch, mesh = step_setup(__doc__)
+    args, config, params, batch, mesh = step_setup(__doc__, options)
+    master = None
+    if args.precision == "bfloat16":
+        config, master = dataclasses.replace(config, param_dtype="bfloat16", compute_dtype="bfloat16"), "float32"
+    print(f"{args.model}, {args.precision} compute", flush=True)
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
-    sinking = model_logprob_fn(config)
+    optimizer, schedule = make_optimizer(1e-6, schedule="constant", weight_decay=0.01)
+    step_options = dict(grad_accum=args.micro, learning_rate_fn=schedule, check_updated=False)
+
+    if args.model == "policy":
+        sinking = model_logprob_fn(config)
+        loss, spec = ALGORITHMS["grpo"].make_loss(kl_coef=0.0), ParamsSpec.of_model(config)
+    else:
+        params = jax.tree.map(np.asarray, init_critic_params(params, config))
+        params["value_head"]["kernel"] = np.full_like(params["value_head"]["kernel"], 0.01)  # passes a gradient
+        rng = np.random.default_rng(0)
+        batch = dataclasses.replace(
+            batch,
+            returns=rng.standard_normal(batch.tokens.shape).astype(np.float32),
+            values=(0.1 * rng.standard_normal(batch.tokens.shape)).astype(np.float32),
+        )
+
+        def sinking(params, batch, grad_sink=None):
+            values = critic_values(
+                params, batch.tokens, batch.positions, batch.segment_ids, config=config, grad_sink=grad_sink
+            )
+            return values, None
+
+        sinking.layer_sink = ("backbone", "layers")  # the mark the runs' critic step gives its own (asserted below)
+        loss, spec = functools.partial(value_loss, value_clip=0.2), critic_params_spec(config)
+        runs_step = make_critic_train_step(
+            config,
+            optimizer,
+            mesh,
+            RULES["dp"],
+            value_clip=0.2,
+            grad_accum=args.micro,
+            params_spec=spec.with_master_dtype(master),
+            check_updated=False,
+        )
+        assert runs_step.sinks_layer_grads, "the runs' critic step does not sink"
 
     def build(predict) -> TrainStep:
-        optimizer, schedule = make_optimizer(1e-6, schedule="constant", weight_decay=0.01)
         return make_train_step(
-            ALGORITHMS["grpo"].make_loss(kl_coef=0.0),
+            loss,
             optimizer,
             mesh,
             RULES["dp"],
             predict=predict,
-            params_spec=ParamsSpec.of_model(config),
-            grad_accum=args.micro,
-            learning_rate_fn=schedule,
-            check_updated=False,
+            params_spec=spec.with_master_dtype(master),
+            **step_options,
         )
 
     builders = {
         "sink": lambda: build(sinking),
         "stack": lambda: build(lambda *a, **k: sinking(*a, **k)),  # the same function without the mark
     }
+    assert builders["sink"]().sinks_layer_grads and not builders["stack"]().sinks_layer_grads
     temps, median, difference = compare_steps(builders, params, batch, args.steps)
     summary = f"sink / stack: temp {temps['sink'] / temps['stack']:.2f}x"
     less = (temps["stack"] - temps["sink"]) / layer_bytes

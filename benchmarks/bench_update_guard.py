@@ -42,11 +42,16 @@ VARIANTS = {"checked": True, "in place": False}
 """Each variant's `check_updated`."""
 
 
-def step_setup(description: str) -> tuple[argparse.Namespace, ModelConfig, dict, object, object]:
-    """The command line of this benchmark and `bench_grad_sink.py`, and what both step: `(args, config, host params,
-    batch, one-device mesh)`: a SmolLM2-135M-shaped model with random weights, float32, remat "full", and `--micro`
-    group rows of `--prompt` + `--group` x `--width` columns (`testing.batches.shared_prefix_batch`)."""
+def step_setup(
+    description: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+) -> tuple[argparse.Namespace, ModelConfig, dict, object, object]:
+    """The command line of this benchmark and `bench_grad_sink.py` (whose own options `add_arguments` adds), and what
+    both step: `(args, config, host params, batch, one-device mesh)`: a SmolLM2-135M-shaped model with random
+    weights, float32, remat "full", and `--micro` group rows of `--prompt` + `--group` x `--width` columns
+    (`testing.batches.shared_prefix_batch`)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add_arguments is not None:
+        add_arguments(parser)
     parser.add_argument("--micro", type=int, default=4, help="micro-batches (rows) per step")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)

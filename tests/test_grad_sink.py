@@ -14,16 +14,25 @@ largest gradient, under 3 bfloat16 ulps of 2^-8).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from feynrl_jax.losses import ALGORITHMS, TrainBatch
 from feynrl_jax.models import ModelConfig, SegmentBounds, init_params, sequence_logprobs, sinks_layer_grads
 from feynrl_jax.sharding import RULES, make_mesh
 from feynrl_jax.testing.batches import shared_prefix_batch
+from feynrl_jax.train.critic import (
+    critic_params_spec,
+    critic_values,
+    init_critic_params,
+    make_critic_train_step,
+    value_loss,
+)
 from feynrl_jax.train.optimizer import make_optimizer
 from feynrl_jax.train.step import ParamsSpec, make_train_step, model_logprob_fn
 
@@ -124,12 +133,19 @@ def test_forward_refuses_a_sink_it_cannot_fill():
 
 
 def build_step(
-    config: ModelConfig, grad_accum: int, *, sinking: bool = True, master: str | None = None, mesh: str = "single"
+    config: ModelConfig,
+    grad_accum: int,
+    *,
+    sinking: bool = True,
+    master: str | None = None,
+    mesh: str = "single",
+    optimizer=None,
 ):
     predict = model_logprob_fn(config, chunk_size=8, first_column=PROMPT)
     if not sinking:  # the same function without the mark: the step accumulates the returned stacks
         predict = lambda *a, predict=predict, **k: predict(*a, **k)  # noqa: E731
-    optimizer, _ = make_optimizer(1e-3, schedule="constant", weight_decay=0.01)
+    if optimizer is None:
+        optimizer, _ = make_optimizer(1e-3, schedule="constant", weight_decay=0.01)
     sizes, rules = {"single": ((1, 1, 1), "dp"), "fsdp4_tp2": ((1, 4, 2), "fsdp_tp")}[mesh]
     return make_train_step(
         ALGORITHMS["grpo"].make_loss(kl_coef=0.0),
@@ -149,10 +165,37 @@ def test_which_steps_sink_the_layers_gradient():
     assert not build_step(CONFIG, 1).sinks_layer_grads  # nothing to accumulate
     assert not build_step(CONFIG, 2, sinking=False).sinks_layer_grads
     assert not build_step(dataclasses.replace(CONFIG, remat="none"), 2).sinks_layer_grads
-    # bfloat16 compute keeps the ordinary path (the sink was measured in float32), masters or not.
+    # bfloat16 compute sinks into the float32 masters' accumulator; bfloat16 params alone train in bfloat16.
     bf16 = dataclasses.replace(CONFIG, param_dtype="bfloat16", compute_dtype="bfloat16")
-    assert not build_step(bf16, 2, master="float32").sinks_layer_grads
+    assert build_step(bf16, 2, master="float32").sinks_layer_grads
     assert not build_step(bf16, 2).sinks_layer_grads
+
+
+def test_a_bfloat16_step_from_float32_masters_sinks_the_same_gradient():
+    # 8 group rows in 4 micro-batches, bfloat16 compute, float32 masters and accumulator, and plain SGD at rate 1:
+    # a step's change of the masters is minus the accumulated gradient. Each layer's bfloat16 gradient is widened
+    # and added in the sink where the ordinary step widens the returned stack: the same values (measured: equal),
+    # up to XLA fusing the two bfloat16 backward passes differently on another CPU (1e-2 of the largest gradient,
+    # the module docstring).
+    bf16 = dataclasses.replace(CONFIG, param_dtype="bfloat16", compute_dtype="bfloat16")
+    params = jax.tree.map(np.asarray, init_params(CONFIG, jax.random.key(0)))
+    steps = {
+        sinking: build_step(bf16, 4, sinking=sinking, master="float32", optimizer=optax.sgd(1.0))
+        for sinking in (True, False)
+    }
+    assert steps[True].sinks_layer_grads and not steps[False].sinks_layer_grads
+    batch = grpo_batch(CONFIG, groups=8, seed=0)
+    grads = {}
+    for sinking, step in steps.items():
+        state, _ = step(step.init_state(params), step.place_batch(batch))
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+        grads[sinking] = jax.tree.map(
+            lambda old, new: np.asarray(old, np.float64) - np.asarray(new), params, state.params
+        )
+    scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads[False]["layers"]))
+    assert scale > 1e-3  # the layers have a gradient worth comparing
+    for got, want in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * scale)
 
 
 def test_a_step_accumulating_into_the_sink_takes_the_same_steps():
@@ -187,6 +230,71 @@ def test_a_step_accumulating_into_the_sink_takes_the_same_steps():
     assert moved > 1e-4
     # The same float32 operations in both programs (measured: equal params); AdamW's step divides by the root of the
     # second moment, so an ulp of a gradient near 0 may move a weight by more: 1e-5 relative, 1e-6 absolute.
+    for got, want in zip(jax.tree.leaves(states[True].params), jax.tree.leaves(states[False].params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def build_critic_step(config: ModelConfig, grad_accum: int, *, sinking: bool = True):
+    optimizer, _ = make_optimizer(1e-3, schedule="constant", weight_decay=0.01)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    if sinking:
+        return make_critic_train_step(
+            config, optimizer, mesh, RULES["dp"], value_clip=0.2, grad_accum=grad_accum, check_updated=False
+        )
+
+    # make_critic_train_step's step, with a prediction that carries no `layer_sink` mark.
+    def values(params, batch):
+        return critic_values(params, batch.tokens, batch.positions, batch.segment_ids, config=config), None
+
+    return make_train_step(
+        functools.partial(value_loss, value_clip=0.2),
+        optimizer,
+        mesh,
+        RULES["dp"],
+        predict=values,
+        params_spec=critic_params_spec(config),
+        grad_accum=grad_accum,
+        check_updated=False,
+    )
+
+
+def critic_batch(config: ModelConfig, groups: int, seed: int) -> TrainBatch:
+    """`grpo_batch` with GAE targets and rollout-time values (what the critic's loss reads)."""
+    batch = grpo_batch(config, groups, seed)
+    rng = np.random.default_rng(seed + 100)
+    shape = batch.tokens.shape
+    return dataclasses.replace(
+        batch,
+        returns=rng.standard_normal(shape).astype(np.float32),
+        values=(0.1 * rng.standard_normal(shape)).astype(np.float32),
+    )
+
+
+def test_the_critic_accumulates_its_backbones_layers_into_the_sink():
+    # PPO's critic: its backbone's layers sit at params["backbone"]["layers"]; 8 group rows in 4 micro-batches.
+    assert build_critic_step(CONFIG, 4).sinks_layer_grads
+    assert not build_critic_step(CONFIG, 1).sinks_layer_grads
+    assert not build_critic_step(dataclasses.replace(CONFIG, remat="none"), 4).sinks_layer_grads
+    params = jax.tree.map(np.asarray, init_critic_params(init_params(CONFIG, jax.random.key(0)), CONFIG))
+    params["value_head"]["kernel"] = np.full_like(params["value_head"]["kernel"], 0.1)  # a gradient for the layers
+    steps = {sinking: build_critic_step(CONFIG, 4, sinking=sinking) for sinking in (True, False)}
+    assert steps[True].sinks_layer_grads and not steps[False].sinks_layer_grads
+    states = {sinking: step.init_state(params) for sinking, step in steps.items()}
+    for seed in range(2):
+        batch = critic_batch(CONFIG, groups=8, seed=seed)
+        metrics = {}
+        for sinking, step in steps.items():
+            states[sinking], metrics[sinking] = step(states[sinking], step.place_batch(batch))
+        norms = [float(metrics[s]["train/grad_norm"].value) for s in (True, False)]
+        np.testing.assert_allclose(norms[0], norms[1], rtol=1e-6)
+    moved = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(
+            jax.tree.leaves(states[True].params["backbone"]["layers"]), jax.tree.leaves(params["backbone"]["layers"])
+        )
+    )
+    assert moved > 1e-4
+    # As for the policy's step above: the same float32 operations, AdamW's division by the second moment's root.
     for got, want in zip(jax.tree.leaves(states[True].params), jax.tree.leaves(states[False].params), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 

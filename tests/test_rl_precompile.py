@@ -56,10 +56,11 @@ CASES = {
         },
         (False, False),
     ),
-    # Two epochs: a proximal pass of its own.
+    # Two epochs: a proximal pass of its own. Rematerialisation "full": the critic's backbone, as the policy, adds
+    # its layers' gradient into the accumulator in place.
     "ppo_two_epochs": (
         "ppo",
-        {"train.shared_prefix": "off", "train.pack_sequences": False, "train.ppo_epochs": 2},
+        {"train.shared_prefix": "off", "train.pack_sequences": False, "train.ppo_epochs": 2, "model.remat": "full"},
         (False, False),
     ),
 }
@@ -138,8 +139,10 @@ def test_the_first_update_runs_the_train_step_compiled_in_the_background(tmp_pat
         # The runs' AdamW keeps finite inputs finite: the steps choose the update before computing it.
         assert not any(s.check_updated for s in (trainer.train_step, trainer.critic_step) if s is not None)
         # Accumulating micro-batches, with rematerialisation "full" and every param trained in float32, the policy's
-        # model adds the layers' gradient into the accumulator in place.
-        assert trainer.train_step.sinks_layer_grads == (case == "grpo_packed"), case
+        # model and the critic's backbone add the layers' gradient into the accumulator in place.
+        sinking = case in ("grpo_packed", "ppo_two_epochs")
+        assert trainer.train_step.sinks_layer_grads == sinking, case
+        assert trainer.critic_step is None or trainer.critic_step.sinks_layer_grads == sinking, case
         expected_updates = config.train.ppo_epochs * config.train.mini_batches
         assert metrics["train/updates"] == expected_updates and np.isfinite(metrics["train/loss"])
         assert (trainer.shared_prefix, trainer.pack) == layout

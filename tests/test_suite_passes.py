@@ -1,4 +1,4 @@
-"""`make test` runs the suite in two passes (Makefile): the tests not marked `serial` two at a time, Ray and
+"""`make test` runs the suite in two passes (Makefile): the tests not marked `serial` three at a time, Ray and
 multi-process runs included, then the `serial` ones alone: the tests that time themselves or wait on short timeouts,
 and the vLLM tier's RL runs and the two-trainer-process RL run (memory)."""
 

@@ -17,9 +17,10 @@ the critic are separate models with separate optimizers, as in verl and OpenRLHF
 shared loss.
 
 The critic step reuses ``make_train_step``: its "per-token prediction" function returns values instead of
-log-probabilities, and the loss below reads them; sharding, gradient accumulation and the non-finite guard are
-the policy step's (an update whose gradient, loss, new params or new optimizer state is not finite is skipped;
-``RLTrainer`` checks the critic's streak with its own ``NonFiniteGuard``).
+log-probabilities, and the loss below reads them; sharding, gradient accumulation (with the backbone's layer
+gradients added into the accumulator in place where the policy's are: ``step.layer_sink_path``) and the non-finite
+guard are the policy step's (an update whose gradient, loss, new params or new optimizer state is not finite is
+skipped; ``RLTrainer`` checks the critic's streak with its own ``NonFiniteGuard``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from feynrl_jax.losses import metrics as metrics_lib
 from feynrl_jax.losses.value import clipped_value_error
 from feynrl_jax.models import ModelConfig, SegmentBounds, forward, init_params, logical_axes, predecessor_hidden
 from feynrl_jax.sharding.rules import Rules
-from feynrl_jax.train.step import ParamsSpec, TrainStep, make_train_step
+from feynrl_jax.train.step import ParamsSpec, TrainStep, layer_sink_path, make_train_step
 
 
 def init_critic_params(policy_params: Any, config: ModelConfig) -> dict[str, Any]:
@@ -90,6 +91,7 @@ def critic_values(
     config: ModelConfig,
     remat: str | None = None,
     segment_bounds: SegmentBounds | None = None,
+    grad_sink: Any | None = None,
 ) -> jax.Array:
     """Per-token values ``[B, T]`` f32, aligned like log-probabilities (``values[:, t] = V(tokens[:, :t])``).
 
@@ -102,6 +104,8 @@ def critic_values(
         remat: rematerialisation policy of the backbone (None: ``config.remat``).
         segment_bounds: static bounds on the rows' segments (``models.SegmentBounds``: attention in blocks), or
             None.
+        grad_sink: under ``jax.grad``, an accumulator of ``params["backbone"]["layers"]`` the backbone's layer
+            gradients are added into in place (``models.forward``), or None.
     """
     hidden, _ = forward(
         params["backbone"],
@@ -111,6 +115,7 @@ def critic_values(
         segment_ids=segment_ids,
         remat=remat,
         segment_bounds=segment_bounds,
+        grad_sink=grad_sink,
     )
     head = params["value_head"]
     # The state before token t is the one that predicts it (a shared-prefix continuation's first token: its
@@ -188,7 +193,7 @@ def make_critic_train_step(
         A ``TrainStep`` over the critic params; ``step.init_state(init_critic_params(...))`` starts it.
     """
 
-    def predict(params: Any, batch: TrainBatch) -> tuple[jax.Array, None]:
+    def predict(params: Any, batch: TrainBatch, grad_sink: Any | None = None) -> tuple[jax.Array, None]:
         values = critic_values(
             params,
             batch.tokens,
@@ -197,9 +202,12 @@ def make_critic_train_step(
             config=config,
             remat=remat,
             segment_bounds=segment_bounds,
+            grad_sink=grad_sink,
         )
         return values, None
 
+    # Accumulating micro-batches, the backbone's layer gradients go into the accumulator in place, as the policy's.
+    predict.layer_sink = layer_sink_path(config, remat, ("backbone", "layers"))
     return make_train_step(
         functools.partial(value_loss, value_clip=value_clip, vf_coef=vf_coef),
         optimizer,

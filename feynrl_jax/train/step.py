@@ -187,7 +187,7 @@ def model_logprob_fn(
         A ``Predict``: ``(params, batch, rng=None, grad_sink=None) -> (logprobs [B, T] f32, entropy [B, T] f32 or
         None)``; ``rng`` is the LoRA dropout key of a training pass (``config.lora_dropout``; ``make_train_step``'s
         ``rng_seed``), ``grad_sink`` the accumulator the layers' gradient is added into (``models.forward``). Its
-        attribute ``sinks_layer_grads`` says whether it takes one (``models.sinks_layer_grads``).
+        attribute ``layer_sink`` (``("layers",)``, or None) says whether it takes one (``layer_sink_path``).
     """
 
     def predict(
@@ -210,10 +210,36 @@ def model_logprob_fn(
             grad_sink=grad_sink,
         )
 
-    # Measured in float32 (benchmarks/bench_grad_sink.py); bfloat16 compute would cast each layer inside the scan, which
-    # XLA:CPU made slow before (`models.forward`), so it keeps the ordinary path until measured.
-    predict.sinks_layer_grads = sinks_layer_grads(config, remat) and jnp.dtype(config.compute_dtype) == jnp.float32
+    predict.layer_sink = layer_sink_path(config, remat, ("layers",))
     return predict
+
+
+def layer_sink_path(config: ModelConfig, remat: str | None, path: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The mark a ``Predict`` carries as its attribute ``layer_sink``: ``path``, the keys from the params it is
+    given to the model's stacked layers, where it passes ``grad_sink=`` on to ``models.forward`` for them; None where
+    the model cannot take a sink (``models.sinks_layer_grads``).
+
+    ``make_train_step`` uses the mark only where the layers train in float32: float32 params, or bfloat16 compute
+    from float32 masters (each layer cast inside the sink's scan). Measured on a SmolLM2-135M-shaped step
+    (benchmarks/bench_grad_sink.py, 4 micro-batches, 2-core CPU): float32 0.80x the temporaries at 1.01x the time;
+    bfloat16 from float32 masters 0.64x the temporaries at 0.89x the time.
+    """
+    return tuple(path) if sinks_layer_grads(config, remat) else None
+
+
+def _subtree(tree: Any, path: tuple[str, ...]) -> Any:
+    """``tree[path[0]][path[1]]...``, or None where a key is missing."""
+    for key in path:
+        if not isinstance(tree, Mapping) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _with_subtree(tree: Mapping, path: tuple[str, ...], value: Any) -> dict:
+    """A copy of the nested dict ``tree`` with ``value`` at ``path``."""
+    head, *rest = path
+    return {**tree, head: _with_subtree(tree[head], tuple(rest), value) if rest else value}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,9 +260,9 @@ class TrainStep:
         check_updated: whether an update is also skipped for non-finite new params or optimizer state
             (``make_train_step``).
         sinks_layer_grads: whether the model adds each micro-batch's layer gradients into the accumulator in place
-            (``models.forward``'s ``grad_sink``): several micro-batches, a ``predict`` that takes a sink
-            (``model_logprob_fn`` with rematerialisation "full" and float32 compute), every param trained in float32.
-            The critic's step does not (its values come from ``critic_values``).
+            (``models.forward``'s ``grad_sink``): several micro-batches, a ``predict`` that takes a sink (its
+            ``layer_sink``: ``model_logprob_fn``'s or the critic's, with rematerialisation "full"), every param
+            trained in float32 (float32 params, or float32 masters of a bfloat16 model).
     """
 
     mesh: Mesh
@@ -360,7 +386,8 @@ def make_train_step(
         predict: ``(params, batch) -> (per_token [B, T], entropy [B, T] or None)``: the policy's
             log-probabilities (``model_logprob_fn``) or another per-token prediction (the critic's values). The
             loss gets ``entropy=`` only when predict returns one. It is called with ``rng=`` given ``rng_seed``,
-            and with ``grad_sink=`` when its attribute ``sinks_layer_grads`` is true (``model_logprob_fn``'s).
+            and with ``grad_sink=`` (the accumulator of ``params[path]``) when its attribute ``layer_sink`` is such a
+            path (``layer_sink_path``: ``model_logprob_fn``'s and the critic's predictions).
         params_spec: the params' logical axes, shapes and dtypes (``ParamsSpec.of_model(config)`` for a model
             config; ``.with_master_dtype("float32")`` for float32 master weights): the dtypes of the state's params
             and optimizer state. ``predict`` sees the state's params and casts them as it needs.
@@ -410,13 +437,12 @@ def make_train_step(
     # size instead of two. Where every param trains in float32, the accumulator's dtype. The accumulator comes back
     # through the model's backward pass, which JAX skips only for a loss that does not depend on the model's output
     # at all; every micro-batch's gradient, and so the sum it would drop, is then zero.
+    sink_path = getattr(predict, "layer_sink", None)
+    sunk_shape = _subtree(params_shape, sink_path) if grad_accum > 1 and sink_path else None
     sink = (
-        grad_accum > 1
-        and getattr(predict, "sinks_layer_grads", False)
+        sunk_shape is not None
         and params_spec.trainable is None
-        and isinstance(params_shape, Mapping)
-        and "layers" in params_shape
-        and all(jnp.dtype(x.dtype) == jnp.float32 for x in jax.tree.leaves(params_shape["layers"]))
+        and all(jnp.dtype(x.dtype) == jnp.float32 for x in jax.tree.leaves(sunk_shape))
     )
 
     def micro_loss(
@@ -442,12 +468,12 @@ def make_train_step(
         params: Any, frozen: Any, micro: TrainBatch, rng: jax.Array | None, acc: Any | None = None
     ) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
         """A micro-batch's gradient, or with ``acc`` (an accumulator) the sum of the two."""
-        layer_sink = acc["layers"] if acc is not None and sink else None
+        layer_sink = _subtree(acc, sink_path) if acc is not None and sink else None
         (total, (denom, metrics)), grads = grad_fn(params, frozen, _constrain_batch(micro, mesh), rng, layer_sink)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         if acc is not None:  # the layers' part already holds the accumulator (`grad_sink`)
             summed = jax.tree.map(jnp.add, acc, grads)
-            grads = {**summed, "layers": grads["layers"]} if layer_sink is not None else summed
+            grads = summed if layer_sink is None else _with_subtree(summed, sink_path, _subtree(grads, sink_path))
         grads = jax.lax.with_sharding_constraint(grads, trained_shardings)
         return grads, total.astype(jnp.float32), denom.astype(jnp.float32), metrics
 
