@@ -94,3 +94,21 @@ def algorithm_registry():
     registry.ALGORITHMS.clear()
     registry.ALGORITHMS.update(before)
     registry._REFERENCES.clear()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """The first pass of `make test` (`--dist loadgroup --no-loadscope-reorder`): each test file is one unit of work,
+    as with `--dist loadfile`, except that the vLLM tier's files are one unit together, so that the pass never holds
+    two vLLM engines beside each other (each holds GBs; with three workers the 24 GiB CI machine once got down to 3.6
+    GiB available), and that unit goes first in the queue, since it is the longest (about 700 s). The other units
+    follow by number of tests, as pytest-xdist's own reordering would have them."""
+    if config.getoption("dist", default="no") != "loadgroup":
+        return
+    units: dict[str, list] = {}
+    for item in items:
+        unit = "vllm" if item.get_closest_marker("vllm") else item.nodeid.partition("::")[0]
+        item.add_marker(pytest.mark.xdist_group(unit))
+        units.setdefault(unit, []).append(item)
+    ordered = sorted(units.items(), key=lambda unit: (unit[0] != "vllm", -len(unit[1])))
+    items[:] = [item for _, unit_items in ordered for item in unit_items]

@@ -1,7 +1,8 @@
 """Rewards: the math answer table, math-verify's timeouts, GSM8K extraction, reasoning-gym scoring, format, DAPO
 overlong, weighted sums, the registry and the import rules.
 
-The math rewards run through the real RewardScorer (worker processes), since math-verify relies on signal.alarm.
+The math rewards run through the real RewardScorer (worker processes), since math_verify_reward bounds math-verify
+with SIGALRM.
 """
 
 import json
@@ -16,7 +17,6 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import reasoning_gym
-from math_verify.errors import TimeoutException
 
 from feynrl_jax.rollout.rewards import (
     FORMAT_PATTERNS,
@@ -140,6 +140,34 @@ def test_math_verify_reward_raises_reward_timeout_when_a_bound_fires():
             math_verify_reward("q", "#### 1", {"answer": PARSE_OVERRUN}, parsing_timeout_s=1)
 
 
+def test_the_bound_fires_again_after_a_dropped_raise():
+    # Python drops an exception raised in a garbage-collection callback or a `__del__` (JAX registers a gc
+    # callback), and math-verify's and SymPy's handlers catch `Exception`: math-verify's own one-shot
+    # `signal.alarm` then never interrupts the call. Here the body drops the first raise and spins on; the bound
+    # raises again _REPEAT_S later, long before the 30 s spin ends.
+    dropped = []
+    start = time.monotonic()
+
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+    with pytest.raises(math_answer._Overrun):
+        with math_answer._bound(1):
+            try:
+                spin(30)
+            except BaseException as e:  # noqa: BLE001 - what a gc callback does to it
+                dropped.append(time.monotonic() - start)
+                del e
+            spin(30)
+    elapsed = time.monotonic() - start
+    assert len(dropped) == 1 and 0.9 < dropped[0] < 5, dropped
+    assert elapsed < dropped[0] + 5, elapsed
+    # The timer and handler are gone: nothing fires afterwards.
+    spin(1.5)
+
+
 def test_math_verify_timeouts_are_counted_as_timeouts_not_wrong_answers():
     kwargs = {"math_verify": {"parsing_timeout_s": 1, "verify_timeout_s": 1}}
     completions = [PARSE_OVERRUN, "#### 1", VERIFY_OVERRUN, "#### 2"]
@@ -194,16 +222,16 @@ def test_math_verify_errors_other_than_timeouts_mean_no_answer_and_not_equal(mon
     assert math_verify_reward("q", "#### 1", {"answer": "1"}) == 0.0
 
     # A pair whose comparison times out does not hide an equal pair: parse("1") is [1, "1"], and the string pair
-    # ("1", "1") is equal while every pair with a SymPy side times out.
-    def verify_timing_out_on_sympy(gold, predicted, **kwargs):
+    # ("1", "1") is equal while every pair with a SymPy completion side overruns its 1 s bound (2 pairs per call).
+    def verify_overrunning_on_sympy(gold, predicted, **kwargs):
         if not isinstance(predicted[0], str):
-            raise TimeoutException("Timeout during comparison")
+            time.sleep(30)
         return real_verify(gold, predicted, **kwargs)
 
-    monkeypatch.setattr(math_answer, "verify", verify_timing_out_on_sympy)
-    assert math_verify_reward("q", "#### 1", {"answer": "1"}) == 1.0
-    with pytest.raises(RewardTimeout, match="verify_timeout_s=3 s"):
-        math_verify_reward("q", "#### 2", {"answer": "1"})
+    monkeypatch.setattr(math_answer, "verify", verify_overrunning_on_sympy)
+    assert math_verify_reward("q", "#### 1", {"answer": "1"}, verify_timeout_s=1) == 1.0
+    with pytest.raises(RewardTimeout, match="verify_timeout_s=1 s"):
+        math_verify_reward("q", "#### 2", {"answer": "1"}, verify_timeout_s=1)
 
 
 def test_math_verify_reward_refuses_a_thread_unless_its_bounds_are_off():

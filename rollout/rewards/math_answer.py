@@ -5,9 +5,13 @@ the last GSM8K ``####`` marker, else the whole completion, where math-verify tak
 to SymPy by math-verify's LaTeX and plain-expression extractors, and compared with the parsed gold answer
 symbolically and numerically (``\\frac{1}{2}`` == ``0.5`` == ``1/2``, ``(1, 2)`` == ``(1,2)``).
 
-math-verify bounds its own parsing and comparison with ``signal.alarm``, which works only in the main thread of
-a process: this reward must run in a worker process (the :class:`~feynrl_jax.rollout.rewards.scorer.RewardScorer`
-pool does that), never in a thread. When one of those bounds fires, the reward raises
+Each parse and each comparison runs under a time bound of its own (``_bound``: ``SIGALRM`` from an interval timer),
+which works only in the main thread of a process: this reward must run in a worker process (the
+:class:`~feynrl_jax.rollout.rewards.scorer.RewardScorer` pool does that), never in a thread. math-verify's own bound
+(``signal.alarm`` once) is off: its exception can land where Python drops it (a garbage-collection callback such as
+JAX's, a ``__del__``) or inside math-verify's and SymPy's ``except Exception`` handlers, and the call then runs on
+unbounded; ours raises an exception those handlers do not catch, and again every 0.1 s until it gets through. When
+a bound fires, the reward raises
 :class:`~feynrl_jax.rollout.rewards.process_pool.RewardTimeout` (naming the bound), which the pool scores 0 and
 counts as a timeout, so a timeout is never mistaken for a wrong answer; a comparison that timed out raises only when
 no other (gold, predicted) pair is equal. Any other error inside math-verify means what it means in math-verify by
@@ -17,13 +21,16 @@ is the hard bound on top.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import logging
+import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-from math_verify.errors import TimeoutException
 
 from feynrl_jax.rollout.rewards.answer_extraction import (
     after_last_gsm8k_marker,
@@ -36,13 +43,57 @@ from feynrl_jax.rollout.rewards.process_pool import RewardTimeout
 # \boxed{} first (priority 0), then the other LaTeX anchors, then plain expressions.
 _EXTRACTION = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
 
+# After a bound's first signal, the next ones: a raise that was dropped is raised again this much later.
+_REPEAT_S = 0.1
+
+
+class _Overrun(BaseException):
+    """A bound fired (``_bound``). Not an ``Exception``: math-verify's and SymPy's ``except Exception`` let it
+    through."""
+
+
+class _OwnBoundNotice(logging.Filter):
+    """Drops math-verify's warning that its bound is off and the caller must bound it: ``_bound`` does."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_OwnBoundNotice())
+
+
+@contextlib.contextmanager
+def _bound(seconds: int) -> Iterator[None]:
+    """Raises :class:`_Overrun` in the body once it has run ``seconds`` (0: no bound), and every ``_REPEAT_S`` after
+    until the body ends: a raise that landed where Python drops exceptions is raised again. The caller turns it into
+    :class:`RewardTimeout` around the ``with`` (a signal just before the timer is cleared raises on the way out)."""
+    if not seconds:
+        yield
+        return
+    armed = True
+
+    def overrun(signum, frame):
+        if armed:
+            raise _Overrun
+
+    previous = signal.signal(signal.SIGALRM, overrun)
+    signal.setitimer(signal.ITIMER_REAL, seconds, _REPEAT_S)
+    try:
+        yield
+    finally:
+        armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
 
 def _parse_once(text: str, timeout_s: int, what: str) -> list:
-    """math-verify's parse with our extractors: ``[]`` when it fails; :class:`RewardTimeout` when its bound fires."""
+    """math-verify's parse with our extractors: ``[]`` when it fails; :class:`RewardTimeout` when the bound fires."""
     try:
-        return parse(text, _EXTRACTION, parsing_timeout=timeout_s, raise_on_error=True)
-    except TimeoutException as e:
-        raise RewardTimeout(f"math-verify parsing {what} exceeded parsing_timeout_s={timeout_s} s") from e
+        with _bound(timeout_s):
+            return parse(text, _EXTRACTION, parsing_timeout=None, raise_on_error=True)
+    except _Overrun:
+        raise RewardTimeout(f"math-verify parsing {what} exceeded parsing_timeout_s={timeout_s} s") from None
     except Exception:  # math-verify's default (raise_on_error=False): no answer.
         return []
 
@@ -80,9 +131,11 @@ def _equal(gold: list, predicted: list, timeout_s: int) -> bool:
     timed_out = False
     for gold_item, predicted_item in itertools.product(gold, predicted):
         try:
-            if verify([gold_item], [predicted_item], timeout_seconds=timeout_s, raise_on_error=True):
+            with _bound(timeout_s):
+                equal = verify([gold_item], [predicted_item], timeout_seconds=None, raise_on_error=True)
+            if equal:
                 return True
-        except TimeoutException:
+        except _Overrun:
             timed_out = True
         except Exception:  # math-verify's default (raise_on_error=False): not equal.
             pass
@@ -128,8 +181,8 @@ def math_verify_reward(
         ``\\boxed{}`` solution or a GSM8K ``#### n`` solution).
       answer_key: the field holding the gold answer.
       answer_tag: the tag whose last block holds the final answer when present (``<answer>...</answer>``).
-      parsing_timeout_s: math-verify's own bound per parse, whole seconds (``signal.alarm``); 0 disables it.
-      verify_timeout_s: math-verify's own bound per comparison, whole seconds; 0 disables it.
+      parsing_timeout_s: the bound per parse, whole seconds (``SIGALRM``, module docstring); 0 disables it.
+      verify_timeout_s: the bound per comparison, whole seconds; 0 disables it.
 
     Returns:
       1.0 or 0.0.
@@ -137,15 +190,15 @@ def math_verify_reward(
     Raises:
       KeyError: when the example has no ``answer_key`` field.
       ValueError: when the gold answer cannot be parsed (naming the key), or a bound is set and the reward is called
-        outside a process's main thread (where ``signal.alarm`` cannot work).
+        outside a process's main thread (where ``SIGALRM`` cannot reach it).
       RewardTimeout: when parsing the gold answer or the completion's answer, or comparing them, exceeds its bound.
     """
     del prompt
     if (parsing_timeout_s or verify_timeout_s) and threading.current_thread() is not threading.main_thread():
-        # Checked here: math-verify's own error for this case is an ordinary exception, which _parse_once and
-        # _equal read as "no answer" and "not equal".
+        # Checked here: signal.signal's own error for this case is an ordinary exception, which _parse_once and
+        # _equal would read as "no answer" and "not equal".
         raise ValueError(
-            "math_verify_reward bounds math-verify with signal.alarm, which works only in a process's main thread: "
+            "math_verify_reward bounds math-verify with SIGALRM, which works only in a process's main thread: "
             "run it in the RewardScorer's worker processes, or set parsing_timeout_s and verify_timeout_s to 0"
         )
     if answer_key not in example:

@@ -2,9 +2,9 @@
 
 Why processes, and why not ``multiprocessing.Pool`` or ``concurrent.futures``:
 
-- math-verify (and SymPy under it) bounds its work with ``signal.alarm``, which works only in a process's main
-  thread; a reward may also hang in C code that no Python-level timeout interrupts. Only killing the process
-  stops every kind of hang.
+- math-verify's parsing and comparison (and SymPy under them) are bounded with ``SIGALRM``, which works only in a
+  process's main thread; a reward may also hang in C code that no Python-level timeout interrupts. Only killing
+  the process stops every kind of hang.
 - The standard pools cannot kill one worker and go on: a ``ProcessPoolExecutor`` whose worker dies is broken, and
   ``Pool`` offers no per-task timeout that frees the worker. This pool kills the hung worker (SIGKILL), starts a
   replacement, and hands the rest of its chunk to the other workers.
@@ -21,11 +21,11 @@ parent's deadline for a busy worker is the time of its last message plus ``timeo
 yet reported), scored 0 and counted as a timeout.
 
 A reward that raises scores 0 and is counted as an error (its message kept); a worker that dies (a segfault, an
-``os._exit`` in a reward) costs the call in progress the same way. A reward that bounds its own work (math-verify's
-``signal.alarm``) raises :class:`RewardTimeout` when that bound fires: the call scores 0 and is counted as a timeout
-(its message kept), like a call the parent cut off, but the worker got control back and goes on serving. Workers
-ignore SIGINT (the parent decides when they stop), are daemonic, and exit on their own when the parent process
-disappears.
+``os._exit`` in a reward) costs the call in progress the same way. A reward that bounds its own work
+(``math_verify_reward``'s ``SIGALRM``) raises :class:`RewardTimeout` when that bound fires: the call scores 0 and is
+counted as a timeout (its message kept), like a call the parent cut off, but the worker got control back and goes on
+serving. Workers ignore SIGINT (the parent decides when they stop), are daemonic, and exit on their own when the
+parent process disappears.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ _PARENT_POLL_S = 1.0
 
 
 class RewardTimeout(Exception):
-    """Raised by a reward whose own time bound fired (math-verify's ``signal.alarm``, a judge's request timeout).
+    """Raised by a reward whose own time bound fired (``math_verify_reward``'s ``SIGALRM``, a judge's request timeout).
 
     The pool scores the call 0 and counts it as a timeout (``STATUS_TIMEOUT``), not an error, with this message; the
     worker process is kept, since the reward returned control.

@@ -1,11 +1,11 @@
 """The entry point the RL loops call: score a batch of completions with a weighted sum of rewards.
 
 Every reward runs in the :class:`~feynrl_jax.rollout.rewards.process_pool.TimeoutProcessPool` (uniformly safe:
-math-verify's ``signal.alarm`` needs a process's main thread, and any reward may hang); a timeout or an exception
-(a failed call) scores 0 for that reward on that item, is counted in the metrics and logged (one line per reward
-and batch, with its first error). A reward that fails on more than ``max_failure_frac`` of a batch's items raises
-:class:`RewardError` naming the reward, the fraction and its first error with the item's data row: training on
-its zeros would give zero advantages and learn nothing (e.g. data without the ``answer`` field the reward reads).
+``math_verify_reward``'s ``SIGALRM`` bound needs a process's main thread, and any reward may hang); a timeout or an
+exception (a failed call) scores 0 for that reward on that item, is counted in the metrics and logged (one line per
+reward and batch, with its first error). A reward that fails on more than ``max_failure_frac`` of a batch's items
+raises :class:`RewardError` naming the reward, the fraction and its first error with the item's data row: training
+on its zeros would give zero advantages and learn nothing (e.g. data without the ``answer`` field the reward reads).
 
 Metrics (namespace ``rollout/``), per reward ``<name>`` (the spec string) and for the weighted ``total``:
 ``rollout/reward/<name>/{mean,std,min,max}``; per reward also ``.../timeouts`` and ``.../errors`` (counts in this
