@@ -45,11 +45,11 @@ lint: setup
 	$(BIN)/ruff check .
 
 # The tests that are not marked `serial` run first, TEST_WORKERS at a time (pytest-xdist, each file on one worker,
-# the vLLM tier's files on one worker together and first: tests/conftest.py),
+# the vLLM tier's files on one worker together and first: tests/xdist_units.py),
 # Ray and multi-process runs included: one at a time, the in-process tests kept two cores about 40% busy and the Ray
 # runs about 75%, waiting on process start-up and compiles. Three at a time beat two on the 2-core, 24 GiB CI machine
 # even with the cores near full: 0.83x the time over six of the heaviest files side by side (320 s against 385 s). The
-# whole first pass left 5.4 GiB available at least, and once 3.6 GiB when two vLLM files ran side by side. The `serial` ones (the bad-input runs and other tests that
+# whole first pass left 5.4 GiB available at least, and once 3.6 GiB while the vLLM files could run side by side. The `serial` ones (the bad-input runs and other tests that
 # time themselves or wait on short timeouts, the launch-script tests that bind ports they picked, and the vLLM RL runs,
 # which need the memory) then run one at a time with nothing beside them.
 # Both passes share one persistent compilation cache (tests/conftest.py), removed at the end: a program the first
@@ -62,7 +62,7 @@ test: lint
 	trap 'exit 130' INT && trap 'exit 143' TERM && \
 	export JAX_COMPILATION_CACHE_DIR="$$cache" \
 		JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="$${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}" && \
-	$(BIN)/python tests/run_pytest.py -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" && \
+	$(BIN)/python tests/run_pytest.py -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" && \
 	$(BIN)/python tests/run_pytest.py -q -m serial
 	$(MAKE) test-notebooks
 

@@ -96,19 +96,19 @@ def algorithm_registry():
     registry._REFERENCES.clear()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s first pass: each file a unit of work, the vLLM tier's files one together (tests/xdist_units.py)."""
+    from xdist_units import make_scheduler
+
+    return make_scheduler(config, log)
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
 def pytest_collection_modifyitems(config, items):
-    """The first pass of `make test` (`--dist loadgroup --no-loadscope-reorder`): each test file is one unit of work,
-    as with `--dist loadfile`, except that the vLLM tier's files are one unit together, so that the pass never holds
-    two vLLM engines beside each other (each holds GBs; with three workers the 24 GiB CI machine once got down to 3.6
-    GiB available), and that unit goes first in the queue, since it is the longest (about 700 s). The other units
-    follow by number of tests, as pytest-xdist's own reordering would have them."""
-    if config.getoption("dist", default="no") != "loadgroup":
-        return
-    units: dict[str, list] = {}
-    for item in items:
-        unit = "vllm" if item.get_closest_marker("vllm") else item.nodeid.partition("::")[0]
-        item.add_marker(pytest.mark.xdist_group(unit))
-        units.setdefault(unit, []).append(item)
-    ordered = sorted(units.items(), key=lambda unit: (unit[0] != "vllm", -len(unit[1])))
-    items[:] = [item for _, unit_items in ordered for item in unit_items]
+    """A pytest-xdist worker reports its tests in the queue order of tests/xdist_units.py (the first pass of `make
+    test` keeps that order: `--no-loadscope-reorder`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from xdist_units import in_queue_order
+
+        items[:] = in_queue_order(items)

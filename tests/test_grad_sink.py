@@ -8,7 +8,7 @@ sum `sink + gradient` up to its own float32 rounding (2 ulps of the sum) and to 
 backward pass differently (1e-6 of the largest gradient). Measured: exactly the float32 sum. In bfloat16 compute,
 each layer's bfloat16 gradient is widened and added where the ordinary pass widens the whole stack first: the same
 values (measured: exactly), up to XLA fusing the bfloat16 backward pass differently on another CPU (1e-2 of the
-largest gradient, under 3 bfloat16 ulps of 2^-8).
+largest gradient, under 3 x 2^-8, bfloat16's relative spacing).
 """
 
 from __future__ import annotations

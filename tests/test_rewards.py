@@ -6,6 +6,7 @@ with SIGALRM.
 """
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -153,8 +154,9 @@ def test_the_bound_fires_again_after_a_dropped_raise():
         while time.monotonic() < end:
             pass
 
+    handler = signal.getsignal(signal.SIGALRM)
     with pytest.raises(math_answer._Overrun):
-        with math_answer._bound(1):
+        with math_answer._Bound(1):
             try:
                 spin(30)
             except BaseException as e:  # noqa: BLE001 - what a gc callback does to it
@@ -165,6 +167,8 @@ def test_the_bound_fires_again_after_a_dropped_raise():
     assert len(dropped) == 1 and 0.9 < dropped[0] < 5, dropped
     assert elapsed < dropped[0] + 5, elapsed
     # The timer and handler are gone: nothing fires afterwards.
+    assert signal.getsignal(signal.SIGALRM) is handler
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     spin(1.5)
 
 

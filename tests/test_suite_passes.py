@@ -3,10 +3,13 @@ multi-process runs included, then the `serial` ones alone: the tests that time t
 and the vLLM tier's RL runs and the two-trainer-process RL run (memory)."""
 
 import importlib.util
+import os
 import pathlib
 import re
 import subprocess
 import sys
+
+import xdist_units
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TEST_ID = re.compile(r"^tests(_vllm)?/\S+\.py::\S")
@@ -22,50 +25,53 @@ class Passes:
     def pytest_collection_finish(self, session):
         for item in session.items:
             # `-m serial` selects an item that carries the marker itself or through its module or class.
-            group = item.get_closest_marker("xdist_group")
-            unit = group.args[0] if group else "-"
-            print(("serial " if item.get_closest_marker("serial") else "first ") + unit + " " + item.nodeid)
+            print(("serial " if item.get_closest_marker("serial") else "first ") + item.nodeid)
 
 
-sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Passes()]))
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider"], plugins=[Passes()]))
 """
 
 
-def collected(*args: str) -> dict[str, list[tuple[str, str]]]:
-    """`(xdist group or "-", test id)` of each test of each pass of `make test` (both tiers, as configured), in
-    collection order, from one collection with the options `args`: "serial" for `-m serial`, "first" for `-m "not
-    serial"`."""
+def collected(**env: str) -> dict[str, list[str]]:
+    """The test ids of each pass of `make test` (both tiers, as configured), in collection order, from one collection
+    with the environment variables `env` added: "serial" for `-m serial`, "first" for `-m "not serial"`."""
     result = subprocess.run(
-        [sys.executable, "-c", COLLECT, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", COLLECT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
     )
     assert result.returncode in (0, 5), result.stdout[-2000:] + result.stderr[-2000:]
     passes = {"serial": [], "first": []}
     for line in result.stdout.splitlines():
-        name, _, rest = line.partition(" ")
-        unit, _, test = rest.partition(" ")
+        name, _, test = line.partition(" ")
         if name in passes and TEST_ID.match(test):
-            passes[name].append((unit, test))
+            passes[name].append(test)
     return passes
 
 
-def test_the_first_pass_runs_each_file_as_one_unit_and_the_vllm_tier_as_one_first():
-    # `make test`'s first pass: --dist loadgroup --no-loadscope-reorder, the units tests/conftest.py gives.
-    passes = collected("--dist", "loadgroup")
-    first, every = passes["first"], passes["first"] + passes["serial"]
-    assert all(unit == ("vllm" if test.startswith("tests_vllm/") else test.partition("::")[0]) for unit, test in every)
-    units = list(dict.fromkeys(unit for unit, _ in first))
-    assert len(units) == len({unit for unit, _ in first}) > 50  # each unit's tests together
+def test_the_first_pass_deals_each_file_as_one_unit_and_the_vllm_tier_as_one_first():
+    # What a pytest-xdist worker reports to `make test`'s scheduler (tests/xdist_units.py), which keeps its order.
+    every = collected(PYTEST_XDIST_WORKER="gw0")
+    order = every["first"] + every["serial"]  # the units were ordered before `-m` deselected (here: nothing)
+    assert sorted(order) == sorted(sum(collected().values(), []))
+    assert {xdist_units.unit_of(t) for t in order if t.startswith("tests_vllm/")} <= {xdist_units.VLLM_UNIT}
+    assert xdist_units.unit_of("tests/test_kl.py::test_a[x]") == "tests/test_kl.py"
+    first = every["first"]
+    units = [xdist_units.unit_of(test) for test in first]
+    runs = [unit for i, unit in enumerate(units) if i == 0 or units[i - 1] != unit]
+    assert len(runs) == len(set(runs)) > 50  # each unit's tests together
     if importlib.util.find_spec("vllm") is not None:
-        assert units[0] == "vllm"
-    # Then by number of tests (the ordering is made before `-m` deselects the serial ones).
-    sizes = [sum(1 for u, _ in every if u == unit) for unit in units if unit != "vllm"]
+        assert runs[0] == xdist_units.VLLM_UNIT
+    every_unit = [xdist_units.unit_of(test) for test in order]
+    sizes = [every_unit.count(unit) for unit in runs if unit != xdist_units.VLLM_UNIT]
     assert sizes == sorted(sizes, reverse=True)
-    # Without --dist loadgroup, collection is as pytest orders it.
-    assert {unit for unit, _ in collected()["first"]} == {"-"}
 
 
 def test_self_timed_and_short_timeout_tests_run_in_the_serial_pass_and_ray_runs_share_the_cores():
-    passes = {name: [test for _, test in tests] for name, tests in collected().items()}
+    passes = collected()
     serial = passes["serial"]
     modules = {test.partition("::")[0] for test in serial}
     # Marked `serial` as a module or a test.

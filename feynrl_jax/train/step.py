@@ -262,7 +262,7 @@ class TrainStep:
         sinks_layer_grads: whether the model adds each micro-batch's layer gradients into the accumulator in place
             (``models.forward``'s ``grad_sink``): several micro-batches, a ``predict`` that takes a sink (its
             ``layer_sink``: ``model_logprob_fn``'s or the critic's, with rematerialisation "full"), every param
-            trained in float32 (float32 params, or float32 masters of a bfloat16 model).
+            trained, and the layers there held in float32 (float32 params, or float32 masters of a bfloat16 model).
     """
 
     mesh: Mesh

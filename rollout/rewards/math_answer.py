@@ -5,7 +5,7 @@ the last GSM8K ``####`` marker, else the whole completion, where math-verify tak
 to SymPy by math-verify's LaTeX and plain-expression extractors, and compared with the parsed gold answer
 symbolically and numerically (``\\frac{1}{2}`` == ``0.5`` == ``1/2``, ``(1, 2)`` == ``(1,2)``).
 
-Each parse and each comparison runs under a time bound of its own (``_bound``: ``SIGALRM`` from an interval timer),
+Each parse and each comparison runs under a time bound of its own (``_Bound``: ``SIGALRM`` from an interval timer),
 which works only in the main thread of a process: this reward must run in a worker process (the
 :class:`~feynrl_jax.rollout.rewards.scorer.RewardScorer` pool does that), never in a thread. math-verify's own bound
 (``signal.alarm`` once) is off: its exception can land where Python drops it (a garbage-collection callback such as
@@ -21,13 +21,11 @@ is the hard bound on top.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import signal
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -48,12 +46,12 @@ _REPEAT_S = 0.1
 
 
 class _Overrun(BaseException):
-    """A bound fired (``_bound``). Not an ``Exception``: math-verify's and SymPy's ``except Exception`` let it
+    """A bound fired (``_Bound``). Not an ``Exception``: math-verify's and SymPy's ``except Exception`` let it
     through."""
 
 
 class _OwnBoundNotice(logging.Filter):
-    """Drops math-verify's warning that its bound is off and the caller must bound it: ``_bound`` does."""
+    """Drops math-verify's warning that its bound is off and the caller must bound it: ``_Bound`` does."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Timeout is disabled")
@@ -63,36 +61,49 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_OwnBoundNotice())
 
 
-@contextlib.contextmanager
-def _bound(seconds: int) -> Iterator[None]:
-    """Raises :class:`_Overrun` in the body once it has run ``seconds`` (0: no bound), and every ``_REPEAT_S`` after
-    until the body ends: a raise that landed where Python drops exceptions is raised again. The caller turns it into
-    :class:`RewardTimeout` around the ``with`` (a signal just before the timer is cleared raises on the way out)."""
-    if not seconds:
-        yield
-        return
-    armed = True
+class _Bound:
+    """A time bound on a block of code: raises :class:`_Overrun` in it once it has run ``seconds`` (0: no bound), and
+    every ``_REPEAT_S`` after until it ends, so that a raise that landed where Python drops exceptions is raised
+    again. Not reentrant (one interval timer per process). A signal that lands in ``__exit__`` before it disarms
+    raises from there: the caller catches :class:`_Overrun` outside the ``with`` and calls ``disarm`` again, which
+    the next signal, ``_REPEAT_S`` away, cannot interrupt."""
 
-    def overrun(signum, frame):
-        if armed:
+    def __init__(self, seconds: int):
+        self.seconds, self.armed, self.previous = seconds, False, None
+
+    def _overrun(self, signum, frame) -> None:
+        if self.armed:
             raise _Overrun
 
-    previous = signal.signal(signal.SIGALRM, overrun)
-    signal.setitimer(signal.ITIMER_REAL, seconds, _REPEAT_S)
-    try:
-        yield
-    finally:
-        armed = False
+    def __enter__(self) -> _Bound:
+        if self.seconds:
+            self.previous = signal.signal(signal.SIGALRM, self._overrun)
+            self.armed = True
+            signal.setitimer(signal.ITIMER_REAL, self.seconds, _REPEAT_S)
+        return self
+
+    def disarm(self) -> None:
+        """Stops the timer and restores the previous handler; does nothing the second time."""
+        if not self.seconds:
+            return
+        self.armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        if self.previous is not None:
+            signal.signal(signal.SIGALRM, self.previous)
+            self.previous = None
+
+    def __exit__(self, *exc) -> None:
+        self.disarm()
 
 
 def _parse_once(text: str, timeout_s: int, what: str) -> list:
     """math-verify's parse with our extractors: ``[]`` when it fails; :class:`RewardTimeout` when the bound fires."""
+    bound = _Bound(timeout_s)
     try:
-        with _bound(timeout_s):
+        with bound:
             return parse(text, _EXTRACTION, parsing_timeout=None, raise_on_error=True)
     except _Overrun:
+        bound.disarm()
         raise RewardTimeout(f"math-verify parsing {what} exceeded parsing_timeout_s={timeout_s} s") from None
     except Exception:  # math-verify's default (raise_on_error=False): no answer.
         return []
@@ -130,12 +141,14 @@ def _equal(gold: list, predicted: list, timeout_s: int) -> bool:
     """
     timed_out = False
     for gold_item, predicted_item in itertools.product(gold, predicted):
+        bound = _Bound(timeout_s)
         try:
-            with _bound(timeout_s):
+            with bound:
                 equal = verify([gold_item], [predicted_item], timeout_seconds=None, raise_on_error=True)
             if equal:
                 return True
         except _Overrun:
+            bound.disarm()
             timed_out = True
         except Exception:  # math-verify's default (raise_on_error=False): not equal.
             pass
