@@ -65,7 +65,7 @@ class _Bound:
     """A time bound on a block of code: raises :class:`_Overrun` in it once it has run ``seconds`` (0: no bound), and
     every ``_REPEAT_S`` after until it ends, so that a raise that landed where Python drops exceptions is raised
     again. Not reentrant (one interval timer per process). A signal that lands in ``__exit__`` before it disarms
-    raises from there: the caller catches :class:`_Overrun` outside the ``with`` and calls ``disarm`` again, which
+    raises from there: ``_bounded`` catches :class:`_Overrun` outside the ``with`` and calls ``disarm`` again, which
     the next signal, ``_REPEAT_S`` away, cannot interrupt."""
 
     def __init__(self, seconds: int):
@@ -96,14 +96,23 @@ class _Bound:
         self.disarm()
 
 
-def _parse_once(text: str, timeout_s: int, what: str) -> list:
-    """math-verify's parse with our extractors: ``[]`` when it fails; :class:`RewardTimeout` when the bound fires."""
-    bound = _Bound(timeout_s)
+def _bounded(seconds: int, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under a :class:`_Bound` of ``seconds``: :class:`_Overrun` when it fires, the timer
+    then stopped and the previous handler back."""
+    bound = _Bound(seconds)
     try:
         with bound:
-            return parse(text, _EXTRACTION, parsing_timeout=None, raise_on_error=True)
+            return fn(*args, **kwargs)
     except _Overrun:
         bound.disarm()
+        raise
+
+
+def _parse_once(text: str, timeout_s: int, what: str) -> list:
+    """math-verify's parse with our extractors: ``[]`` when it fails; :class:`RewardTimeout` when the bound fires."""
+    try:
+        return _bounded(timeout_s, parse, text, _EXTRACTION, parsing_timeout=None, raise_on_error=True)
+    except _Overrun:
         raise RewardTimeout(f"math-verify parsing {what} exceeded parsing_timeout_s={timeout_s} s") from None
     except Exception:  # math-verify's default (raise_on_error=False): no answer.
         return []
@@ -141,14 +150,10 @@ def _equal(gold: list, predicted: list, timeout_s: int) -> bool:
     """
     timed_out = False
     for gold_item, predicted_item in itertools.product(gold, predicted):
-        bound = _Bound(timeout_s)
         try:
-            with bound:
-                equal = verify([gold_item], [predicted_item], timeout_seconds=None, raise_on_error=True)
-            if equal:
+            if _bounded(timeout_s, verify, [gold_item], [predicted_item], timeout_seconds=None, raise_on_error=True):
                 return True
         except _Overrun:
-            bound.disarm()
             timed_out = True
         except Exception:  # math-verify's default (raise_on_error=False): not equal.
             pass
