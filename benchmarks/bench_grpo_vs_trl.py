@@ -15,6 +15,8 @@ Usage:
     python benchmarks/bench_grpo_vs_trl.py --precision bfloat16   # ours: bf16 weights/compute, f32 masters;
                                                                   # TRL: bf16=True (autocast)
     python benchmarks/bench_grpo_vs_trl.py --remat full      # ours: model.remat="full"
+    python benchmarks/bench_grpo_vs_trl.py --colocate        # ours: rollout.colocate=True (the engine in the
+                                                             # trainer's process, as TRL's generation is)
 
 Output: one JSON line per side and a summary line with the ratio `trl_seconds_per_step / ours_seconds_per_step`
 and each side's peak memory (`run_side`: summed over the side's process tree, Ray's processes included; as
@@ -87,6 +89,7 @@ def run_ours(args) -> dict:
     config.rollout.max_slots = args.prompts * args.group
     config.optim.lr = args.lr
     config.model.remat = args.remat
+    config.rollout.colocate = args.colocate
     if args.precision == "bfloat16":  # bfloat16 weights and compute, float32 master weights and optimizer state
         config.model.param_dtype = config.model.compute_dtype = "bfloat16"
         config.model.master_dtype = "float32"
@@ -263,6 +266,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="both sides")
     parser.add_argument("--remat", choices=("auto", "none", "dots", "full"), default="auto", help="ours: model.remat")
+    parser.add_argument("--colocate", action="store_true", help="ours: rollout.colocate=True")
     parser.add_argument("--which", choices=("both", "ours", "trl"), default="both")
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # the subprocess's role
     parser.add_argument("--workdir", default=None)
@@ -280,7 +284,7 @@ def main() -> None:
         command = [sys.executable, __file__, "--side", side, "--workdir", workdir]
         command += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
         command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr), "--remat", args.remat]
-        command += ["--precision", args.precision]
+        command += ["--precision", args.precision] + (["--colocate"] if args.colocate else [])
         out, peak_gib, peak_pss_gib = run_side(command, env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not lines:

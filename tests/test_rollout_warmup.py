@@ -102,7 +102,7 @@ def test_a_worker_finishes_the_warm_up_its_first_generation_cut_short_before_the
         return ray.get(worker.status.remote())
 
     def waiting_generations(count: int) -> None:  # as if `count` generations waited for the engine
-        ray.get(worker.__ray_call__.remote(lambda w: setattr(w, "generations", count)))
+        ray.get(worker.__ray_call__.remote(lambda w: setattr(w.host, "generations", count)))
 
     # A generation waiting throughout (whatever the machine's speed): the warm-up stops at the narrowed tail.
     waiting_generations(1)

@@ -155,6 +155,11 @@ def base_config() -> ConfigDict:
     # reward and an example error; failed calls score 0 and are counted (`rollout/reward_failed_frac`). 1: never stop.
     config.rollout.max_reward_failure_frac = 0.5
     config.rollout.cpu_cores = ()  # RL: CPU cores every rollout worker actor is pinned to; (): not pinned.
+    # RL, sync runs with the native engine: the rollout engine runs inside the trainer's process, on its first device
+    # (no rollout worker actor). Each generation copies the trainer's params into the engine and frees that copy and
+    # the KV cache at its end; nothing travels through Ray's object store. One process's memory and runtime instead
+    # of two; generation and update take turns, as a sync run's do anyway. A failed generation ends the run.
+    config.rollout.colocate = False
     config.rollout.vllm = ConfigDict()  # rollout.engine="vllm" only.
     # Weights and activations inside vLLM: "float32" | "bfloat16" | "float16"; the trainer sends its weights in it.
     config.rollout.vllm.dtype = "float32"

@@ -448,6 +448,8 @@ def _check_rollout(config, bad):
     _positive(bad, "rollout.reward_timeout_s", rollout.reward_timeout_s)
     _at_least(bad, "rollout.max_retries", rollout.max_retries, 0)
     _in_unit_interval(bad, "rollout.max_reward_failure_frac", rollout.max_reward_failure_frac)
+    if rollout.colocate:
+        _check_colocate(config, bad)
     if rollout.engine == "vllm":
         _check_vllm(config, bad)
         if not rollout.warmup:
@@ -456,6 +458,25 @@ def _check_rollout(config, bad):
                 "rollout.warmup=False applies to the native engine only: vLLM warms up when its engine starts (a "
                 "profiling run; with rollout.vllm.enforce_eager=False also torch.compile and CUDA graphs).",
             )
+
+
+def _check_colocate(config, bad):
+    """`rollout.colocate`: one native engine in the one trainer process of a sync RL run."""
+    rollout = config.rollout
+    why = "rollout.colocate=True runs the one rollout engine inside the trainer's process"
+    if config.paradigm != "rl":
+        bad("rollout.colocate", f"{why}; only RL runs generate rollouts (this is {config.paradigm}).")
+    conflicts = (
+        ("rollout.engine", rollout.engine != "native", "it needs rollout.engine='native'"),
+        ("train.max_staleness", config.train.max_staleness > 0, "generation and update take turns: a sync run only"),
+        ("rollout.num_workers", rollout.num_workers != 1, "there are no rollout workers: leave it at 1"),
+        ("rollout.cpu_cores", bool(rollout.cpu_cores), "the engine runs on train.cpu_cores: leave it empty"),
+        ("ray.gpus_per_rollout_worker", config.ray.gpus_per_rollout_worker > 0, "it uses the trainer's devices"),
+        ("ray.trainer_processes", config.ray.trainer_processes > 1, "it needs a trainer of one process"),
+    )
+    for key, conflict, reason in conflicts:
+        if conflict:
+            bad(key, f"{why}; {reason} ({key}={config[key.split('.')[0]][key.split('.')[1]]!r}).")
 
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16")

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,8 +25,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from feynrl_jax.compile_clock import compile_clock
-from feynrl_jax.orchestration.engines import EngineSpec, build_native, build_vllm, publish_format
+from feynrl_jax.orchestration.engine_host import EngineHost
+from feynrl_jax.orchestration.engines import EngineSpec, publish_format
 from feynrl_jax.orchestration.liveness import CONCURRENCY_GROUPS, LIVENESS_GROUP, get_within
 from feynrl_jax.orchestration.param_store import (
     DoubleBufferedStore,
@@ -226,7 +225,7 @@ waits for the engine stay answerable meanwhile."""
 
 @ray.remote(concurrency_groups={**CONCURRENCY_GROUPS, WARMUP_GROUP: 1})
 class RolloutWorker:
-    """Owns the run's rollout engine (`EngineSpec`); loads the params of the version each `generate` call names.
+    """A Ray actor that owns the run's rollout engine (`EngineHost`) and loads each version from the store.
 
     A vLLM engine starts in the constructor (its start-up errors are raised by `ready()`) and receives its first
     weights with the first `generate`; a native engine is built by `warm_up` on placeholder weights, or else from the
@@ -249,32 +248,12 @@ class RolloutWorker:
         index: int,
         cpu_cores: Sequence[int] = (),
     ):
-        self.model_config, self.spec, self.index = model_config, spec, index
-        self.engine = None
-        self.base_loaded = False  # a LoRA run's base weights are in the engine (fetched once)
-        self.version = -1
-        self.generating = False
-        self.generate_calls = 0
-        # One generation, load, warm-up or warm-up finish at a time (an evaluation may call meanwhile).
-        self.engine_lock = threading.Lock()
-        # Generations waiting for or holding the engine: a warm-up (or its finish) yields to them.
-        self.generations, self.generations_lock = 0, threading.Lock()
-        self.warming_up = False  # a warm-up or its finish holds the engine
-        self.finisher: threading.Thread | None = None  # finishes a warm-up cut short (`_finish_warm_up_soon`)
-        self.finish_failed = False
+        self.host = None
         with kept_until_ready(self):
             pin_cpu_cores(cpu_cores)
             if spec.kind == "native":  # a vLLM engine keeps its own thread settings
                 openmp_threads_from_cores()
-            # Loaded by the first `detokenize` (stop strings): a run without them never imports transformers here,
-            # 1.3-1.5 s of every worker's start. A folder missing on this node still fails here, in `ready()`.
-            from feynrl_jax.checkpoints.tokenizer import check_tokenizer_folder
-
-            self.tokenizer_dir, self.tokenizer = check_tokenizer_folder(tokenizer_dir), None
-            self.tokenizer_lock = threading.Lock()
-            self.clock = compile_clock() if spec.kind == "native" else None  # vLLM compiles with torch
-            if spec.kind == "vllm":
-                self.engine = build_vllm(spec, model_config)
+            self.host = EngineHost(model_config, tokenizer_dir, spec, index=index, fetch=fetch_snapshot)
 
     def ready(self) -> int:
         """The process id; raises what the construction raised."""
@@ -291,194 +270,30 @@ class RolloutWorker:
         short has yet to compile (`NativeEngine.warm_up_left`)."""
         return {
             "pid": os.getpid(),
-            "engine": type(self.engine).__name__ if self.engine is not None else None,
-            "version": self.version,
-            "generating": self.generating,
-            "generate_calls": self.generate_calls,
-            "warming_up": self.warming_up,
-            "warm_up_left": getattr(self.engine, "warm_up_left", 0),
+            **self.host.status(),
             "cpu_cores": sorted(os.sched_getaffinity(0)),
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
         }
 
     def load(self, snapshot: ParamsSnapshot) -> dict[str, float]:
-        """Loads the snapshot's weights into the engine unless it holds that version already.
-
-        Returns:
-            The weight sync's figures: `load_seconds` (fetch and load), `load_fetch_seconds` (from the object
-            store, checksum included) and `load_bytes`; all 0 when the version is already loaded.
-        """
-        if self.version == snapshot.version:
-            return {"load_seconds": 0.0, "load_fetch_seconds": 0.0, "load_bytes": 0.0}
-        t0 = time.perf_counter()
-        weights = fetch_snapshot(snapshot)
-        nbytes = float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(weights).values()))
-        lora_sync = snapshot.base is not None  # a LoRA run: `weights` are the adapters alone
-        vllm = self.spec.kind == "vllm"
-        base = None
-        if lora_sync and not self.base_loaded:  # the base, once per worker
-            base = fetch_snapshot(snapshot, base=True)
-            nbytes += float(sum(np.asarray(leaf).nbytes for leaf in flatten_params(base).values()))
-            if not vllm:  # the native engine is built or loaded below with base and adapters together
-                from feynrl_jax.models import lora
-
-                weights = lora.combine(base, weights)
-        fetched = time.perf_counter()
-        self.version = -1  # until this load completes: a failed one leaves no version loaded, and the next reloads
-        if vllm and lora_sync:
-            if base is not None:
-                self.engine.load_weights(base, snapshot.version)
-            self.engine.load_adapter_weights(weights, snapshot.version)
-        elif vllm:
-            self.engine.load_weights(weights, snapshot.version)
-        elif self.engine is None:
-            self.engine = build_native(
-                self.spec, self.model_config, weights, snapshot.version, detokenize=self.detokenize
-            )
-        elif lora_sync and base is None:  # the base is in the engine already
-            self.engine.load_adapters(weights, snapshot.version)
-        else:  # plain weights, or a LoRA policy's first load (base and adapters) into an engine built by `warm_up`
-            self.engine.load_params(weights, snapshot.version)
-        self.base_loaded = self.base_loaded or base is not None
-        self.version = snapshot.version
-        return {
-            "load_seconds": time.perf_counter() - t0,
-            "load_fetch_seconds": fetched - t0,
-            "load_bytes": nbytes,
-        }
+        """`EngineHost.load`: the snapshot's weights into the engine unless it holds that version already."""
+        return self.host.load(snapshot)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids to text (stop strings)."""
-        with self.tokenizer_lock:  # the engine's stop strings and a remote call may ask at once
-            if self.tokenizer is None:
-                from feynrl_jax.checkpoints import load_tokenizer
-
-                self.tokenizer = load_tokenizer(self.tokenizer_dir)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.host.detokenize(ids)
 
     @ray.method(concurrency_group=WARMUP_GROUP)
     def warm_up(self, prompt_lengths: Sequence[int], sampling: Any) -> dict[str, float]:
-        """Native engine: builds the engine on placeholder weights (`feynrl_jax.models.placeholder_params`) unless
-        it exists, and compiles the programs that a batch of prompts of `prompt_lengths` sampled with `sampling`
-        runs (`NativeEngine.warm_up`). The driver calls it at start-up (`rollout.warmup`), so that the worker
-        compiles while the trainer starts instead of in the first generation, which waits for it. A generation
-        that comes meanwhile cuts the narrowed tail's part short; the worker finishes it once that generation is
-        done and no other waits (`_finish_warm_up_soon`).
-
-        Returns:
-            `NativeEngine.warm_up`'s figures; {} for a vLLM engine (it warmed itself up when it started) or where
-            the warm-up failed: the failure is logged, and the first generation compiles what it needs.
-        """
-        if self.spec.kind != "native":
-            return {}
-        with self.engine_lock, self._holding_for_warm_up():
-            try:
-                if self.engine is None:
-                    from feynrl_jax.models import lora, placeholder_params
-
-                    placeholder = placeholder_params(self.model_config)
-                    self.engine = build_native(
-                        self.spec, self.model_config, placeholder, -1, detokenize=self.detokenize
-                    )
-                    if self.model_config.lora_rank:  # later syncs load the adapters alone: that program too
-                        self.engine.load_adapters(lora.adapters_of(placeholder), -1)
-                stats = self.engine.warm_up(prompt_lengths, sampling, stop=self._generation_waits)
-            except Exception:
-                log.warning(
-                    "rollout worker %d: the warm-up failed; the first generation compiles instead",
-                    self.index,
-                    exc_info=True,
-                )
-                return {}
-        return stats
+        """`EngineHost.warm_up`. The driver calls it at start-up (`rollout.warmup`), so that the worker compiles
+        while the trainer starts instead of in the first generation, which waits for it."""
+        return self.host.warm_up(prompt_lengths, sampling)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Any, snapshot: ParamsSnapshot, delay_s: float = 0.0
     ) -> tuple[Any, dict]:
-        """Samples `sampling.n` completions per prompt with the params of `snapshot` (exactly that version).
-
-        A worker switches version only here, between two calls, so every token of a call carries the same
-        version and its exact behaviour log-probability.
-
-        Args:
-            prompts: token ids of each prompt.
-            sampling: the `SamplingParams`.
-            snapshot: the version to sample with.
-            delay_s: seconds to sleep first (tests: a slow worker must not change what a run computes).
-
-        Returns:
-            `(Rollouts, stats)`: the engine's `last_stats`, the weight sync's figures (`load`) and, native engine,
-            `compile_seconds` (JAX's backend compiles during the call, the load's included).
-        """
-        with self.generations_lock:
-            self.generations += 1
-        try:
-            with self.engine_lock:
-                self.generating = True
-                self.generate_calls += 1
-                try:
-                    if delay_s:
-                        time.sleep(delay_s)
-                    compiled = self.clock.seconds() if self.clock else 0.0
-                    sync = self.load(snapshot)
-                    rollouts = self.engine.generate(prompts, sampling)
-                    stats = {**self.engine.last_stats, **sync}
-                    if self.clock:
-                        stats["compile_seconds"] = self.clock.seconds() - compiled
-                    return rollouts, stats
-                finally:
-                    self.generating = False
-        finally:
-            with self.generations_lock:
-                self.generations -= 1
-            self._finish_warm_up_soon()
-
-    def _generation_waits(self) -> bool:
-        """Whether a generation waits for the engine or holds it (a warm-up's `stop`)."""
-        return self.generations > 0
-
-    @contextlib.contextmanager
-    def _holding_for_warm_up(self):
-        """`warming_up` (`status`) while the body runs; call it holding the engine."""
-        self.warming_up = True
-        try:
-            yield
-        finally:
-            self.warming_up = False
-
-    def _finish_warm_up_soon(self) -> None:
-        """A native engine whose warm-up a generation cut short: compiles what it left (`NativeEngine.finish_warm_up`)
-        in a thread of its own, once no generation waits, and yields to the next one as the warm-up does; so the
-        narrowed tail's programs compile while the worker waits for work (a sync run's update), not in the
-        generation whose tail first narrows to them."""
-        if self.spec.kind != "native" or self.finish_failed or not getattr(self.engine, "warm_up_left", 0):
-            return
-        with self.generations_lock:  # two generations ending at once start one finisher
-            if self.finisher is not None and self.finisher.is_alive():
-                return
-            self.finisher = threading.Thread(target=self._finish_warm_up, name="finish_warm_up", daemon=True)
-            self.finisher.start()
-
-    def _finish_warm_up(self) -> None:
-        with self.engine_lock, self._holding_for_warm_up():
-            if self._generation_waits():
-                return  # the next generation's end tries again
-            try:
-                stats = self.engine.finish_warm_up(stop=self._generation_waits)
-            except Exception:
-                self.finish_failed = True
-                log.warning(
-                    "rollout worker %d: finishing the warm-up failed; a batch compiles what it needs",
-                    self.index,
-                    exc_info=True,
-                )
-                return
-        if stats["complete"]:
-            log.info(
-                "rollout worker %d: finished the warm-up that a generation cut short (the last part in %.1f s)",
-                self.index,
-                stats["seconds"],
-            )
+        """`EngineHost.generate`: `sampling.n` completions per prompt with the params of `snapshot`."""
+        return self.host.generate(prompts, sampling, snapshot, delay_s)
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
@@ -528,9 +343,13 @@ class RewardWorker:
         self.scorer.close()
 
 
-@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+@ray.remote(concurrency_groups={**CONCURRENCY_GROUPS, WARMUP_GROUP: 1})
 class TrainerActor:
     """Runs `RLTrainer` (train step, state, reference, critic, checkpoints, evaluation) and publishes params.
+
+    With `rollout.colocate` the run's one rollout engine lives here too (`EngineHost` on the trainer's first
+    device, fed the trainer's own params; the driver calls `warm_up` and `generate` here instead of on a rollout
+    worker): a publish then records the new version in the store without its arrays, since nothing reads them.
 
     With `ray.trainer_processes = P > 1` the trainer is P of these actors, one JAX process each, joined by
     `jax.distributed` into one job whose mesh spans all their devices: the driver makes every call on all of them
@@ -565,6 +384,7 @@ class TrainerActor:
         self.store_timeout_s = config.ray.stall_timeout_s
         self.process_id = process_id
         self.init_error = None
+        self.rollout = None  # the colocated rollout engine (`rollout.colocate`), built with the trainer
         if process_id is None:
             self._build()
 
@@ -578,6 +398,26 @@ class TrainerActor:
             self.for_engine = publish_format(self.spec, self.trainer.model_config)
             # LoRA: the base is published once (`start`), every version carries the adapters alone.
             self.lora_sync = bool(self.trainer.model_config.lora_rank)
+            if self.config.rollout.colocate:
+                import jax
+
+                self.rollout = EngineHost(
+                    self.trainer.model_config,
+                    self.trainer.source.tokenizer_dir,
+                    self.spec,
+                    index=0,
+                    local_params=self._engine_params,
+                    param_shardings=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]),
+                )
+
+    def _engine_params(self, version: int) -> Any:
+        """The colocated engine's params: the trainer's own (the state's, on its devices), which must be `version`."""
+        if version != self.trainer.policy_version:
+            raise StoreError(
+                f"the colocated rollout engine was asked for version {version}, but the trainer holds version "
+                f"{self.trainer.policy_version} (a colocated engine samples the trainer's current params only)"
+            )
+        return self.trainer.state.params
 
     def coordinator_address(self) -> str:
         """`host:port` for the job's coordinator (process 0's): this node's address and a free port on it."""
@@ -610,7 +450,10 @@ class TrainerActor:
     def _publish(self, version: int) -> dict[str, float]:
         """Publishes the params, in the rollout engine's format, as `version`; returns the publish figures.
 
-        Every trainer process gathers the params (a collective); process 0 alone writes them to the store."""
+        Every trainer process gathers the params (a collective); process 0 alone writes them to the store. With a
+        colocated engine (`rollout.colocate`) nothing is gathered: the version is recorded without arrays."""
+        if self.rollout is not None:
+            return publish_params(self.store, {}, version, timeout_s=self.store_timeout_s)
         t0 = time.perf_counter()
         if self.lora_sync:
             weights = self.for_engine.adapters(self.trainer.host_adapters())
@@ -638,7 +481,7 @@ class TrainerActor:
     def start(self) -> dict[str, Any]:
         """Builds or restores the state and publishes it; returns where the run starts (`Restored` fields)."""
         restored = self.trainer.start()
-        if self.lora_sync:
+        if self.lora_sync and self.rollout is None:
             base = self.trainer.host_base()  # a collective with several trainer processes
             if not self.process_id:
                 figures = publish_base(self.store, self.for_engine.base(base), timeout_s=self.store_timeout_s)
@@ -653,6 +496,21 @@ class TrainerActor:
         metrics.update(self._publish(self.trainer.policy_version))
         metrics["perf/publish_seconds"] = time.perf_counter() - t0
         return metrics
+
+    @ray.method(concurrency_group=WARMUP_GROUP)
+    def warm_up(self, prompt_lengths: Sequence[int], sampling: Any) -> dict[str, float]:
+        """The colocated engine's `EngineHost.warm_up`, in a thread of its own while the trainer starts."""
+        return self.rollout.warm_up(prompt_lengths, sampling)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: Any, snapshot: ParamsSnapshot, delay_s: float = 0.0
+    ) -> tuple[Any, dict]:
+        """The colocated engine's `EngineHost.generate` with the trainer's params of `snapshot.version`."""
+        return self.rollout.generate(prompts, sampling, snapshot, delay_s)
+
+    def rollout_status(self) -> dict[str, Any] | None:
+        """The colocated engine's `EngineHost.status`; None where the run has rollout workers."""
+        return None if self.rollout is None else self.rollout.status()
 
     def save(self, step: int, rng: np.ndarray, data_state: Any, *, force: bool) -> bool:
         """`RLTrainer.save`: checkpoints the state with the driver's PRNG key and data state, when due."""

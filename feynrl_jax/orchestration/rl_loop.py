@@ -167,7 +167,11 @@ def generate(
             "or ray.max_restarts, or look at the worker logs"
         )
     parts = [results[i][0] for i in range(len(chunks))]
-    stats = [results[i][1] for i in range(len(chunks))]
+    return concat_rollouts(parts), generation_stats([results[i][1] for i in range(len(chunks))], lost=lost)
+
+
+def generation_stats(stats: list[dict], *, lost: int) -> dict[str, float]:
+    """One generation's figures (`generate`'s) from each engine's `stats`, `lost` chunks retried."""
     out = {
         "lost": float(lost),
         "generated_tokens": float(sum(s["generated_tokens"] for s in stats)),
@@ -178,7 +182,7 @@ def generate(
         out["compile_seconds"] = float(max(s["compile_seconds"] for s in stats))
     if all("slot_utilisation" in s for s in stats):  # the native engine's; vLLM schedules its own batch
         out["slot_utilisation"] = float(np.mean([s["slot_utilisation"] for s in stats]))
-    return concat_rollouts(parts), out
+    return out
 
 
 def _repeat(values: list, n: int) -> list:
@@ -308,26 +312,31 @@ class _Run:
         self.trainers = start_trainers(config, self.store, self.engine_spec, self.model_config)
         restarts = dict(max_restarts=config.ray.max_restarts, max_task_retries=0)
         self.placement = WorkerPlacement(config)
-        self.workers = [
-            RolloutWorker.options(
-                name=worker_name(config.run_dir, i), max_concurrency=2, **self.placement.options(i), **restarts
-            ).remote(
-                model_config,
-                source.tokenizer_dir,
-                spec=self.engine_spec,
-                index=i,
-                cpu_cores=tuple(config.rollout.cpu_cores),
-            )
-            for i in range(config.rollout.num_workers)
-        ]
+        self.workers = (
+            []
+            if config.rollout.colocate
+            else [
+                RolloutWorker.options(
+                    name=worker_name(config.run_dir, i), max_concurrency=2, **self.placement.options(i), **restarts
+                ).remote(
+                    model_config,
+                    source.tokenizer_dir,
+                    spec=self.engine_spec,
+                    index=i,
+                    cpu_cores=tuple(config.rollout.cpu_cores),
+                )
+                for i in range(config.rollout.num_workers)
+            ]
+        )
         if config.rollout.warmup and self.engine_spec.kind == "native":
             # Each worker compiles for its share of a batch (the first one's prompt lengths) while the trainer
             # starts; its first `generate` waits for that.
             sampling = rollout_sampling(config, self.tokenizer, config.seed)
-            chunks = worker_chunks(len(self.warmup_lengths), len(self.workers))
+            hosts = self.trainers[:1] if config.rollout.colocate else self.workers
+            chunks = worker_chunks(len(self.warmup_lengths), len(hosts))
             self.warmups = [
-                worker.warm_up.remote([self.warmup_lengths[j] for j in chunk], sampling)
-                for worker, chunk in zip(self.workers, chunks)
+                host.warm_up.remote([self.warmup_lengths[j] for j in chunk], sampling)
+                for host, chunk in zip(hosts, chunks)
             ]
         self.reward = RewardWorker.options(num_cpus=ACTOR_CPUS["reward"], **restarts).remote(
             dict(config.rollout.rewards),
@@ -364,15 +373,21 @@ class _Run:
         batch = next(self.prompts)
         sampling = rollout_sampling(self.config, self.tokenizer, seed)
         t0 = time.perf_counter()
-        rollouts, stats = generate(
-            self.workers,
-            batch.prompt_ids,
-            sampling,
-            snapshot,
-            max_retries=self.config.rollout.max_retries,
-            stall_timeout_s=self.config.ray.stall_timeout_s,
-            delay_s=self.rollout_delay(seed) if self.rollout_delay else 0.0,
-        )
+        delay_s = self.rollout_delay(seed) if self.rollout_delay else 0.0
+        if self.config.rollout.colocate:  # the trainer's engine: its failure is the trainer's, which ends the run
+            chunk = dataclasses.replace(sampling, seed=sampling.seed % 2**32)  # a one-worker run's only chunk
+            rollouts, stats = self.on_trainer("generate", batch.prompt_ids, chunk, snapshot, delay_s)
+            stats = generation_stats([stats], lost=0)
+        else:
+            rollouts, stats = generate(
+                self.workers,
+                batch.prompt_ids,
+                sampling,
+                snapshot,
+                max_retries=self.config.rollout.max_retries,
+                stall_timeout_s=self.config.ray.stall_timeout_s,
+                delay_s=delay_s,
+            )
         rollout_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         n = self.config.rollout.n_samples

@@ -1,0 +1,135 @@
+"""`rollout.colocate`: the rollout engine inside the trainer's process.
+
+- A colocated sync run trains bitwise as the same run with a rollout worker does (the same engine code, params and
+  seeds), and publishes no arrays (`perf/publish_bytes` 0, nothing fetched): the key is honoured.
+- Its engine (`EngineHost` fed the trainer's params) samples what a fresh engine holding those params samples, frees
+  its copy of the params and its KV cache after every generation, and refuses a version the trainer does not hold.
+- Every setting a colocated engine cannot honour is refused, naming its key.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import resume_harness as harness
+from rl_run_checks import assert_loop_records
+
+from feynrl_jax.config.errors import ConfigError
+from feynrl_jax.config.validation import validate
+from feynrl_jax.tracking import read_metrics
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+import tiny_rl  # noqa: E402
+
+
+def _config(run_dir: str, colocate: bool):
+    config = tiny_rl.get_config()
+    config.run_dir = run_dir
+    config.eval.during_training = False
+    config.checkpoint.every_steps = 0
+    config.rollout.colocate = colocate
+    return config
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_colocated_run_trains_bitwise_as_a_run_with_a_rollout_worker(ray_session, tmp_path):
+    from feynrl_jax.orchestration import rl_loop
+
+    runs = {}
+    for colocate in (False, True):
+        config = _config(str(tmp_path / f"colocate_{colocate}"), colocate)
+        rl_loop.run(config)
+        runs[colocate] = config.run_dir
+    worker, colocated = (read_metrics(runs[c]) for c in (False, True))
+    assert_loop_records(runs[True], "grpo")
+    for key in (
+        "train/loss",
+        "train/grad_norm",
+        "train/entropy",
+        "rollout/reward/total/mean",
+        "rollout/generated_tokens",
+        "rollout/logprob_mismatch_max_abs",
+        "loss/ratio_mean",
+    ):
+        assert [r[key] for r in colocated] == [r[key] for r in worker], key
+    harness.assert_same_final_state(runs[False], runs[True], total_steps=2)
+    # Honoured: the worker run published its params through the object store and fetched them; the colocated run
+    # published no arrays and fetched nothing, its engine loading the trainer's params on the trainer's device.
+    assert all(r["perf/publish_bytes"] > 0 and r["perf/weight_sync_fetch_seconds"] > 0 for r in worker)
+    assert all(r["perf/publish_bytes"] == 0 and r["perf/weight_sync_fetch_seconds"] == 0 for r in colocated)
+    assert [r["perf/weight_sync_bytes"] for r in colocated] == [r["perf/weight_sync_bytes"] for r in worker]
+    assert colocated[0]["perf/rollout_warmup_seconds"] > 0  # its warm-up ran in the trainer and was reported
+
+
+def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_each_generation():
+    import jax
+
+    from feynrl_jax.checkpoints import smollm2_checkpoint_dir
+    from feynrl_jax.models import ModelConfig, init_params
+    from feynrl_jax.orchestration.actors import ParamsSnapshot
+    from feynrl_jax.orchestration.engine_host import EngineHost
+    from feynrl_jax.orchestration.engines import EngineSpec, build_native
+    from feynrl_jax.orchestration.param_store import StoreError
+    from feynrl_jax.rollout.types import SamplingParams
+
+    model = ModelConfig(
+        vocab_size=80, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
+    )
+    versions = {3: init_params(model, jax.random.PRNGKey(0)), 4: init_params(model, jax.random.PRNGKey(1))}
+    held = {"version": 3}
+
+    def trainer_params(version: int):  # as `TrainerActor._engine_params`: the trainer's current version only
+        if version != held["version"]:
+            raise StoreError(f"asked for {version}, holding {held['version']}")
+        return versions[version]
+
+    spec = EngineSpec(kind="native", num_slots=8, cache_len=32, decode_steps_per_dispatch=2)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    host = EngineHost(
+        model, smollm2_checkpoint_dir(), spec, index=0, local_params=trainer_params, param_shardings=device
+    )
+    prompts = [[(5 * i + j) % 70 + 1 for j in range(4)] for i in range(3)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=11)
+
+    def snapshot(version: int) -> ParamsSnapshot:  # what the store records for a colocated run: no arrays
+        return ParamsSnapshot(version=version, refs={}, checksum=0)
+
+    for version in (3, 4):
+        held["version"] = version
+        got, stats = host.generate(prompts, sampling, snapshot(version))
+        want = build_native(spec, model, jax.device_get(versions[version]), version).generate(prompts, sampling)
+        np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+        np.testing.assert_array_equal(got.behavior_logprobs, want.behavior_logprobs)
+        assert set(got.policy_version.tolist()) == {version}
+        assert stats["load_fetch_seconds"] == 0.0 and stats["load_bytes"] > 0
+        # Freed: no params, no decode state (KV cache); the next generation loads again.
+        assert host.engine._params is None and host.engine._state is None and host.version == -1
+    with pytest.raises(StoreError, match="asked for 3, holding 4"):
+        host.generate(prompts, sampling, snapshot(3))
+    with pytest.raises(ValueError, match="exactly one of fetch"):
+        EngineHost(model, smollm2_checkpoint_dir(), spec, index=0)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("rollout.engine", "vllm"),
+        ("train.max_staleness", 1),
+        ("rollout.num_workers", 2),
+        ("rollout.cpu_cores", (0,)),
+        ("ray.gpus_per_rollout_worker", 1),
+        ("ray.trainer_processes", 2),
+    ],
+)
+def test_settings_a_colocated_engine_cannot_honour_are_refused_by_name(key, value):
+    config = tiny_rl.get_config()
+    config.rollout.colocate = True
+    validate(config, num_devices=2)  # the tiny RL config colocates as it is
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ConfigError) as excinfo:
+        validate(config, num_devices=2)
+    problems = [p for p in excinfo.value.problems if p.key == key and "rollout.colocate=True" in p.message]
+    assert len(problems) == 1, excinfo.value.problems
