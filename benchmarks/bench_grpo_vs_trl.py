@@ -17,6 +17,7 @@ Usage:
     python benchmarks/bench_grpo_vs_trl.py --remat full      # ours: model.remat="full"
     python benchmarks/bench_grpo_vs_trl.py --colocate        # ours: rollout.colocate=True (the engine in the
                                                              # trainer's process, as TRL's generation is)
+    python benchmarks/bench_grpo_vs_trl.py --which placement # ours twice: a rollout worker, then colocated
 
 Output: one JSON line per side and a summary line with the ratio `trl_seconds_per_step / ours_seconds_per_step`
 and each side's peak memory (`run_side`: summed over the side's process tree, Ray's processes included; as
@@ -70,7 +71,7 @@ def run_ours(args) -> dict:
 
     config = base_config()
     config.paradigm, config.name = "rl", "bench_grpo"
-    config.run_dir = os.path.join(args.workdir, "ours")
+    config.run_dir = os.path.join(args.workdir, "ours_colocated" if args.colocate else "ours")
     config.model.gguf = "smollm2"
     size = args.steps * args.prompts
     add_data_source(config, "arith", data_source("reasoning_gym", task=TASK, size=size, seed=0, options=TASK_OPTIONS))
@@ -267,7 +268,12 @@ def main() -> None:
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="both sides")
     parser.add_argument("--remat", choices=("auto", "none", "dots", "full"), default="auto", help="ours: model.remat")
     parser.add_argument("--colocate", action="store_true", help="ours: rollout.colocate=True")
-    parser.add_argument("--which", choices=("both", "ours", "trl"), default="both")
+    parser.add_argument(
+        "--which",
+        choices=("both", "ours", "trl", "placement"),
+        default="both",
+        help="placement: ours with a rollout worker, then ours colocated (--colocate is then ignored)",
+    )
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # the subprocess's role
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
@@ -278,13 +284,19 @@ def main() -> None:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_grpo_")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled")
-    sides = ("ours", "trl") if args.which == "both" else (args.which,)
+    # (label, subprocess role, ours colocated)
+    sides = {
+        "both": [("ours", "ours", args.colocate), ("trl", "trl", False)],
+        "ours": [("ours", "ours", args.colocate)],
+        "trl": [("trl", "trl", False)],
+        "placement": [("ours_workers", "ours", False), ("ours_colocated", "ours", True)],
+    }[args.which]
     results = {}
-    for side in sides:
-        command = [sys.executable, __file__, "--side", side, "--workdir", workdir]
+    for side, role, colocate in sides:
+        command = [sys.executable, __file__, "--side", role, "--workdir", workdir]
         command += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
         command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr), "--remat", args.remat]
-        command += ["--precision", args.precision] + (["--colocate"] if args.colocate else [])
+        command += ["--precision", args.precision] + (["--colocate"] if colocate else [])
         out, peak_gib, peak_pss_gib = run_side(command, env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not lines:
@@ -294,7 +306,23 @@ def main() -> None:
             "peak_pss_gib": peak_pss_gib,
         }
         print(json.dumps(results[side]), flush=True)
-    if len(results) == 2:
+    if args.which == "placement":
+        workers, colocated = results["ours_workers"], results["ours_colocated"]
+        print(
+            json.dumps(
+                {
+                    "settings": vars(args) | {"workdir": workdir},
+                    "workers_seconds_per_step": workers["seconds_per_step"],
+                    "colocated_seconds_per_step": colocated["seconds_per_step"],
+                    "colocated_speedup": workers["seconds_per_step"] / colocated["seconds_per_step"],
+                    "colocated_first_step_ratio": colocated["first_step_seconds"] / workers["first_step_seconds"],
+                    "colocated_peak_rss_ratio": colocated["peak_rss_gib"] / workers["peak_rss_gib"],
+                    "colocated_peak_pss_ratio": colocated["peak_pss_gib"] / workers["peak_pss_gib"],
+                }
+            ),
+            flush=True,
+        )
+    elif len(results) == 2:
         ratio = results["trl"]["seconds_per_step"] / results["ours"]["seconds_per_step"]
         print(
             json.dumps(
