@@ -508,10 +508,6 @@ class TrainerActor:
         """The colocated engine's `EngineHost.generate` with the trainer's params of `snapshot.version`."""
         return self.rollout.generate(prompts, sampling, snapshot, delay_s)
 
-    def rollout_status(self) -> dict[str, Any] | None:
-        """The colocated engine's `EngineHost.status`; None where the run has rollout workers."""
-        return None if self.rollout is None else self.rollout.status()
-
     def save(self, step: int, rng: np.ndarray, data_state: Any, *, force: bool) -> bool:
         """`RLTrainer.save`: checkpoints the state with the driver's PRNG key and data state, when due."""
         return self.trainer.save(step, rng, data_state, force=force)
