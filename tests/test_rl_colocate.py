@@ -63,7 +63,8 @@ def test_a_colocated_run_trains_bitwise_as_a_run_with_a_rollout_worker(ray_sessi
     assert colocated[0]["perf/rollout_warmup_seconds"] > 0  # its warm-up ran in the trainer and was reported
 
 
-def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_each_generation():
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_each_generation(lora_rank):
     import jax
 
     from feynrl_jax.checkpoints import smollm2_checkpoint_dir
@@ -75,7 +76,15 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
     from feynrl_jax.rollout.types import SamplingParams
 
     model = ModelConfig(
-        vocab_size=80, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
+        vocab_size=80,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        lora_rank=lora_rank,
+        lora_targets=("q_proj", "down_proj") if lora_rank else (),
     )
     versions = {3: init_params(model, jax.random.PRNGKey(0)), 4: init_params(model, jax.random.PRNGKey(1))}
     held = {"version": 3}
@@ -86,12 +95,12 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
         return versions[version]
 
     spec = EngineSpec(kind="native", num_slots=8, cache_len=32, decode_steps_per_dispatch=2)
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    host = EngineHost(
-        model, smollm2_checkpoint_dir(), spec, index=0, local_params=trainer_params, param_shardings=device
-    )
+    host = EngineHost(model, smollm2_checkpoint_dir(), spec, index=0, local_params=trainer_params)
     prompts = [[(5 * i + j) % 70 + 1 for j in range(4)] for i in range(3)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=11)
+    # The warm-up (placeholder weights; a LoRA engine's adapter load too) completes, then frees what it held.
+    assert host.warm_up([len(p) for p in prompts for _ in range(2)], sampling)["seconds"] > 0
+    assert host.engine._params is None and host.engine._state is None
 
     def snapshot(version: int) -> ParamsSnapshot:  # what the store records for a colocated run: no arrays
         return ParamsSnapshot(version=version, refs={}, checksum=0)

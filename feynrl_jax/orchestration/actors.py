@@ -399,25 +399,26 @@ class TrainerActor:
             # LoRA: the base is published once (`start`), every version carries the adapters alone.
             self.lora_sync = bool(self.trainer.model_config.lora_rank)
             if self.config.rollout.colocate:
-                import jax
-
                 self.rollout = EngineHost(
                     self.trainer.model_config,
                     self.trainer.source.tokenizer_dir,
                     self.spec,
                     index=0,
                     local_params=self._engine_params,
-                    param_shardings=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]),
                 )
 
     def _engine_params(self, version: int) -> Any:
-        """The colocated engine's params: the trainer's own (the state's, on its devices), which must be `version`."""
+        """The colocated engine's params: the trainer's own (the state's), which must be `version`, on this process's
+        first device, where the engine runs as a rollout worker's runs on its one device (no copy where the
+        trainer's mesh is that device; the shards gathered there otherwise)."""
+        import jax
+
         if version != self.trainer.policy_version:
             raise StoreError(
                 f"the colocated rollout engine was asked for version {version}, but the trainer holds version "
                 f"{self.trainer.policy_version} (a colocated engine samples the trainer's current params only)"
             )
-        return self.trainer.state.params
+        return jax.device_put(self.trainer.state.params, jax.local_devices()[0])
 
     def coordinator_address(self) -> str:
         """`host:port` for the job's coordinator (process 0's): this node's address and a free port on it."""

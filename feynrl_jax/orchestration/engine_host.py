@@ -40,8 +40,7 @@ class EngineHost:
         fetch: `fetch(snapshot, base=False) -> nested params` of a store snapshot (a rollout worker's
             `actors.fetch_snapshot`); None where `local_params` is given.
         local_params: a colocated native engine's source: `local_params(version)` returns the trainer's params of
-            that version on its devices (raises for any other); None for a rollout worker.
-        param_shardings: where a colocated engine places its copy of the params (one `Sharding` for all).
+            that version on the device the engine runs on (raises for any other); None for a rollout worker.
     """
 
     def __init__(
@@ -53,14 +52,13 @@ class EngineHost:
         index: int,
         fetch: Callable[..., Any] | None = None,
         local_params: Callable[[int], Any] | None = None,
-        param_shardings: Any = None,
     ):
         if (fetch is None) == (local_params is None):
             raise ValueError("EngineHost needs exactly one of fetch (a rollout worker) and local_params (colocated)")
         if local_params is not None and spec.kind != "native":
             raise ValueError(f"a colocated engine must be native, got {spec.kind!r}")
         self.model_config, self.spec, self.index = model_config, spec, index
-        self.fetch, self.local_params, self.param_shardings = fetch, local_params, param_shardings
+        self.fetch, self.local_params = fetch, local_params
         # A colocated engine frees its params and KV cache after each generation (the trainer's update follows).
         self.release_after_generate = local_params is not None
         self.engine = None
@@ -130,9 +128,7 @@ class EngineHost:
         elif vllm:
             self.engine.load_weights(weights, snapshot.version)
         elif self.engine is None:
-            self.engine = build_native(
-                self.spec, self.model_config, weights, snapshot.version, detokenize=self.detokenize
-            )
+            self.engine = self._build_native(weights, snapshot.version)
         elif lora_sync and base is None:  # the base is in the engine already
             self.engine.load_adapters(weights, snapshot.version)
         else:  # plain weights, or a LoRA policy's first load (base and adapters) into an engine built by `warm_up`
@@ -159,14 +155,7 @@ class EngineHost:
         return {"load_seconds": time.perf_counter() - t0, "load_fetch_seconds": 0.0, "load_bytes": _nbytes(params)}
 
     def _build_native(self, params: Any, version: int) -> Any:
-        return build_native(
-            self.spec,
-            self.model_config,
-            params,
-            version,
-            detokenize=self.detokenize,
-            param_shardings=self.param_shardings,
-        )
+        return build_native(self.spec, self.model_config, params, version, detokenize=self.detokenize)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids to text (stop strings)."""
