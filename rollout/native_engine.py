@@ -258,7 +258,10 @@ class NativeEngine:
             raise ValueError("load_adapters: this engine's model config has no LoRA adapters (lora_rank=0)")
         self._require_params("load_adapters")  # the base the adapters combine with
         if self.param_shardings is not None:
-            adapters = jax.device_put(adapters, lora.adapters_of(self.param_shardings))
+            shardings = self.param_shardings  # one sharding for every param, or a tree of them
+            if not isinstance(shardings, jax.sharding.Sharding):
+                shardings = lora.adapters_of(shardings)
+            adapters = jax.device_put(adapters, shardings)
         base = lora.base_params(self._params)
         self._params = lora.combine(base, self._unstack_layers(adapters))
         self.policy_version = int(version)

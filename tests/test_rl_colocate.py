@@ -86,7 +86,10 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
         lora_rank=lora_rank,
         lora_targets=("q_proj", "down_proj") if lora_rank else (),
     )
-    versions = {3: init_params(model, jax.random.PRNGKey(0)), 4: init_params(model, jax.random.PRNGKey(1))}
+    # Placed as a trainer's are: on its mesh (here two devices, replicated), not where the engine runs.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    versions = {v: jax.device_put(init_params(model, jax.random.PRNGKey(v)), on_mesh) for v in (3, 4)}
     held = {"version": 3}
 
     def trainer_params(version: int):  # as `TrainerActor._engine_params`: the trainer's current version only
@@ -99,7 +102,7 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
     prompts = [[(5 * i + j) % 70 + 1 for j in range(4)] for i in range(3)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=11)
     # The warm-up (placeholder weights; a LoRA engine's adapter load too) completes, then frees what it held.
-    assert host.warm_up([len(p) for p in prompts for _ in range(2)], sampling)["seconds"] > 0
+    assert host.warm_up([len(p) for p in prompts], sampling)["complete"] == 1.0
     assert host.engine._params is None and host.engine._state is None
 
     def snapshot(version: int) -> ParamsSnapshot:  # what the store records for a colocated run: no arrays
@@ -107,12 +110,18 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
 
     for version in (3, 4):
         held["version"] = version
+        compiled_before = len(host.clock.names())
         got, stats = host.generate(prompts, sampling, snapshot(version))
+        compiled = host.clock.names()[compiled_before:]
         want = build_native(spec, model, jax.device_get(versions[version]), version).generate(prompts, sampling)
         np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
         np.testing.assert_array_equal(got.behavior_logprobs, want.behavior_logprobs)
         assert set(got.policy_version.tolist()) == {version}
         assert stats["load_fetch_seconds"] == 0.0 and stats["load_bytes"] > 0
+        # The engine places the trainer's params where it placed the warm-up's placeholder weights (from host
+        # memory), so the generations run the warm-up's programs: no prefill or decode program compiled again.
+        again = [name for name in compiled if "prefill" in name or "dispatch" in name]
+        assert not again, again
         # Freed: no params, no decode state (KV cache); the next generation loads again.
         assert host.engine._params is None and host.engine._state is None and host.version == -1
     with pytest.raises(StoreError, match="asked for 3, holding 4"):

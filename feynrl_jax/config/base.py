@@ -157,8 +157,9 @@ def base_config() -> ConfigDict:
     config.rollout.cpu_cores = ()  # RL: CPU cores every rollout worker actor is pinned to; (): not pinned.
     # RL, sync runs with the native engine: the rollout engine runs inside the trainer's process, on its first device
     # (no rollout worker actor). Each generation copies the trainer's params into the engine and frees that copy and
-    # the KV cache at its end; nothing travels through Ray's object store. One process's memory and runtime instead
-    # of two; generation and update take turns, as a sync run's do anyway. A failed generation ends the run.
+    # the KV cache at its end; the params no longer travel through Ray's object store. One process's memory and
+    # runtime instead of two; generation and update take turns, as a sync run's do anyway. A failed generation ends
+    # the run.
     config.rollout.colocate = False
     config.rollout.vllm = ConfigDict()  # rollout.engine="vllm" only.
     # Weights and activations inside vLLM: "float32" | "bfloat16" | "float16"; the trainer sends its weights in it.

@@ -408,17 +408,16 @@ class TrainerActor:
                 )
 
     def _engine_params(self, version: int) -> Any:
-        """The colocated engine's params: the trainer's own (the state's), which must be `version`, on this process's
-        first device, where the engine runs as a rollout worker's runs on its one device (no copy where the
-        trainer's mesh is that device; the shards gathered there otherwise)."""
-        import jax
+        """The colocated engine's params: the trainer's own, which must be `version`, in `model.param_dtype`
+        (float32 masters rounded on the trainer's mesh, before the engine's host gathers them onto one device)."""
+        from feynrl_jax.models.decoder import as_param_dtype
 
         if version != self.trainer.policy_version:
             raise StoreError(
                 f"the colocated rollout engine was asked for version {version}, but the trainer holds version "
                 f"{self.trainer.policy_version} (a colocated engine samples the trainer's current params only)"
             )
-        return jax.device_put(self.trainer.state.params, jax.local_devices()[0])
+        return as_param_dtype(self.trainer.state.params, self.trainer.model_config)
 
     def coordinator_address(self) -> str:
         """`host:port` for the job's coordinator (process 0's): this node's address and a free port on it."""

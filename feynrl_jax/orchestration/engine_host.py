@@ -40,7 +40,8 @@ class EngineHost:
         fetch: `fetch(snapshot, base=False) -> nested params` of a store snapshot (a rollout worker's
             `actors.fetch_snapshot`); None where `local_params` is given.
         local_params: a colocated native engine's source: `local_params(version)` returns the trainer's params of
-            that version on the device the engine runs on (raises for any other); None for a rollout worker.
+            that version (raises for any other); the engine places them on this process's first device, where it
+            runs as a rollout worker's runs on its one device (`_build_native`). None for a rollout worker.
     """
 
     def __init__(
@@ -155,7 +156,17 @@ class EngineHost:
         return {"load_seconds": time.perf_counter() - t0, "load_fetch_seconds": 0.0, "load_bytes": _nbytes(params)}
 
     def _build_native(self, params: Any, version: int) -> Any:
-        return build_native(self.spec, self.model_config, params, version, detokenize=self.detokenize)
+        """A native engine holding `params`. A colocated one places them (and its decode state) on a one-device mesh
+        of this process's first device: the trainer's params arrive placed on the trainer's mesh, and an engine whose
+        arrays were placed now one way, now another, would compile its programs again for each (the warm-up's
+        placeholder weights come from host memory)."""
+        placement = {}
+        if self.local_params is not None:
+            import jax
+
+            mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("rollout",))
+            placement["param_shardings"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return build_native(self.spec, self.model_config, params, version, detokenize=self.detokenize, **placement)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids to text (stop strings)."""

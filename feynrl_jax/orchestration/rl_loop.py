@@ -481,10 +481,16 @@ class _Run:
             return {}  # it failed: the worker logged why
         seconds = max(s["seconds"] for s in stats)
         cut = sum(not s["complete"] for s in stats)
+        finish = (
+            "the tail's programs compile when a generation first needs them"
+            if self.config.rollout.colocate
+            else "each finishes it once that is done"
+        )
         log.info(
-            "rollout workers warmed up in %.1f s (the slowest)%s",
+            "rollout %s warmed up in %.1f s%s",
+            "engine (colocated)" if self.config.rollout.colocate else "workers",
             seconds,
-            f"; {cut} cut short by their first generation (each finishes it once that is done)" if cut else "",
+            f"; {cut} cut short by the first generation ({finish})" if cut else "",
         )
         return {"perf/rollout_warmup_seconds": seconds}
 
