@@ -3,9 +3,10 @@ start-up warm-up and its finisher.
 
 Two kinds of process host one. A rollout worker (`actors.RolloutWorker`) fetches each version from the parameter
 store (`fetch`). A trainer whose engine is colocated with it (`rollout.colocate`, `actors.TrainerActor`) hands its
-engine its own params on its devices (`local_params`): nothing is fetched, checked or copied to host, and the engine
-releases its copy of the params and its KV cache after every generation, so that the update that follows has that
-memory (verl's "hybrid engine" idea: one process holds the policy for both; Sheng et al. 2024, HybridFlow).
+engine its own params (`local_params`), which the engine places on the process's first device: nothing is fetched,
+checked or copied to host, and the engine releases its copy of the params and its KV cache after every generation,
+so that the update that follows has that memory (verl's "hybrid engine" idea: one process holds the policy for
+both; Sheng et al. 2024, HybridFlow).
 """
 
 from __future__ import annotations
@@ -143,8 +144,8 @@ class EngineHost:
         }
 
     def _load_local(self, version: int) -> dict[str, float]:
-        """A colocated engine's load: the trainer's params of `version`, copied on its devices (the engine's own
-        per-layer copy, rounded to `model.param_dtype`; a LoRA policy's base and adapters together)."""
+        """A colocated engine's load: the trainer's params of `version`, copied onto the engine's device (the engine's
+        own per-layer copy in `model.param_dtype`; a LoRA policy's base and adapters together)."""
         t0 = time.perf_counter()
         params = self.local_params(version)
         self.version = -1
