@@ -466,6 +466,7 @@ def _check_colocate(config, bad):
     why = "rollout.colocate=True runs the one rollout engine inside the trainer's process"
     if config.paradigm != "rl":
         bad("rollout.colocate", f"{why}; only RL runs generate rollouts (this is {config.paradigm}).")
+    # (key, whether its value conflicts, why it must not)
     conflicts = (
         ("rollout.engine", rollout.engine != "native", "it needs rollout.engine='native'"),
         ("train.max_staleness", config.train.max_staleness > 0, "generation and update take turns: a sync run only"),
@@ -476,7 +477,8 @@ def _check_colocate(config, bad):
     )
     for key, conflict, reason in conflicts:
         if conflict:
-            bad(key, f"{why}; {reason} ({key}={config[key.split('.')[0]][key.split('.')[1]]!r}).")
+            section, name = key.split(".")
+            bad(key, f"{why}; {reason} ({key}={config[section][name]!r}).")
 
 
 VLLM_DTYPES = ("float32", "bfloat16", "float16")

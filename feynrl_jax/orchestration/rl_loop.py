@@ -106,6 +106,11 @@ def worker_chunks(num_prompts: int, num_workers: int) -> list[np.ndarray]:
     return [c for c in np.array_split(np.arange(num_prompts), num_workers) if len(c)]
 
 
+def chunk_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The sampling of a generation's chunk `index` (`worker_chunks`): its own seed, `sampling.seed + index`."""
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**32)
+
+
 def generate(
     workers: list[Any],
     prompts: list[list[int]],
@@ -139,7 +144,7 @@ def generate(
         refs = {
             i: workers[i].generate.remote(
                 [prompts[j] for j in chunks[i]],
-                dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32),
+                chunk_sampling(sampling, i),
                 snapshot,
                 delay_s,
             )
@@ -375,7 +380,7 @@ class _Run:
         t0 = time.perf_counter()
         delay_s = self.rollout_delay(seed) if self.rollout_delay else 0.0
         if self.config.rollout.colocate:  # the trainer's engine: its failure is the trainer's, which ends the run
-            chunk = dataclasses.replace(sampling, seed=sampling.seed % 2**32)  # a one-worker run's only chunk
+            chunk = chunk_sampling(sampling, 0)  # sampled as a one-worker run's only chunk
             rollouts, stats = self.on_trainer("generate", batch.prompt_ids, chunk, snapshot, delay_s)
             stats = generation_stats([stats], lost=0)
         else:
