@@ -42,10 +42,24 @@ start-up on).
     for any part the first generation waits for, which its rollout time holds and the step is charged), and its
     first load is charged like any other. That generation ran beside the evaluation on the same cores, so the
     charge is at least what it saved.
+  - Ours with `--colocate` (`rollout.colocate`: the engine in the trainer's process, no rollout worker): the
+    next batch's generation is then a call on the trainer actor, which runs one call at a time, so it and the
+    evaluation run one after the other, in either order; `perf/rollout_seconds` then holds the time the call
+    queued behind the evaluation. Such a step is charged the engine's own time instead
+    (`perf/rollout_engine_seconds`: waiting for the warm-up, loading, generating, freeing) plus the scoring, less
+    what the trainer waited for. Generation first: the evaluation's time held the generation, which the step
+    after is charged (nothing was waited for). Evaluation first: the step after waited for the whole generation
+    and scoring, which its wall time holds, and is charged nothing more. Exact in both orders. The warm-up runs
+    in a thread of the trainer from start-up on; the part of it that outlasted the start-up
+    (`perf/rollout_warmup_past_start_seconds`), which the evaluation before training hid and a first generation
+    would otherwise have waited for, is charged to step 1 too (twice where that generation ran first and waited
+    for it: an overcharge).
 
 Usage:
     pip install "trl==1.16.0"   # not a dependency of the project
     python benchmarks/learning_vs_trl.py                                  # 3 seeds, the demo's 12 steps
+    python benchmarks/learning_vs_trl.py --colocate --workdir runs/learning_vs_trl_colocated \\
+        --json docs/learning_vs_trl_colocated.json --plot docs/learning_vs_trl_colocated.png  # ours colocated
     python benchmarks/learning_vs_trl.py --seeds 0 --steps 2 --eval-every 1 --trl-eval-every 1 \\
         --workdir /tmp/learning_vs_trl_smoke --json /tmp/lvt.json --plot /tmp/lvt.png        # smoke run
 
@@ -89,32 +103,38 @@ def run_config(args, seed: int):
     config.checkpoint.every_steps = 0  # only the final save (TRL saves nothing; its time is left out below)
     config.checkpoint.resume = False
     config.tracking.progress_bar = False
+    config.rollout.colocate = args.colocate
     if args.precision == "bfloat16":  # bf16 weights and compute, float32 master weights and optimizer state
         config.model.param_dtype = config.model.compute_dtype = "bfloat16"
         config.model.master_dtype = "float32"
     return config
 
 
-def charged_step_seconds(record: dict, paused: bool) -> float:
+def charged_step_seconds(record: dict, paused: bool, colocated: bool = False) -> float:
     """The wall time a step of ours is charged (see the docstring); `paused`: the step before it (or the start)
-    evaluated or checkpointed."""
+    evaluated or checkpointed; `colocated`: the run's engine was in the trainer's process."""
     step_wall = record["perf/step_seconds"]
     step_wall -= record.get("perf/eval_seconds", 0.0) + record.get("perf/checkpoint_seconds", 0.0)
     if paused:  # the worker made this batch while the driver evaluated: charge what the trainer did not wait
-        # `perf/rollout_seconds` holds the worker's weight load; step 1's builds its engine unless a warm-up did.
-        worker = record["perf/rollout_seconds"] + record.get("perf/reward_seconds", 0.0)
-        if record["step"] == 1 and "perf/rollout_warmup_seconds" not in record:  # else a warm-up built it
-            worker -= record.get("perf/weight_sync_seconds", 0.0)
+        if colocated:  # the engine's own time: not the queue behind the evaluation on the trainer actor
+            worker = record["perf/rollout_engine_seconds"]
+            # Step 1: the part of the warm-up that the start-up did not hide (the evaluation before training did).
+            worker += record.get("perf/rollout_warmup_past_start_seconds", 0.0)
+        else:  # holds the worker's weight load; step 1's builds its engine unless a warm-up did
+            worker = record["perf/rollout_seconds"]
+            if record["step"] == 1 and "perf/rollout_warmup_seconds" not in record:  # else a warm-up built it
+                worker -= record.get("perf/weight_sync_seconds", 0.0)
+        worker += record.get("perf/reward_seconds", 0.0)
         step_wall += max(0.0, worker - record["perf/trainer_wait_seconds"])
     return step_wall
 
 
-def ours_curve(records: list[dict]) -> dict:
+def ours_curve(records: list[dict], colocated: bool = False) -> dict:
     """Held-out accuracy against the wall time of training, from ours' `metrics.jsonl` (see the docstring)."""
     seconds, accuracy, steps, wall, paused = [], [], [], 0.0, False
     for record in records:
         if record["step"] > 0:
-            wall += charged_step_seconds(record, paused)
+            wall += charged_step_seconds(record, paused, colocated)
         paused = "perf/eval_seconds" in record or "perf/checkpoint_seconds" in record or record["step"] == 0
         if "eval/accuracy" in record:
             steps.append(int(record["step"]))
@@ -326,7 +346,7 @@ def run_trl(args, seed: int, budget: float) -> dict:
 
 
 def settings_of(args) -> dict:
-    keys = ("steps", "eval_every", "trl_eval_every", "precision")
+    keys = ("steps", "eval_every", "trl_eval_every", "precision", "colocate")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -334,6 +354,7 @@ def run_child(args, role: str, seed: int, budget: float | None, log_path: str) -
     command = [sys.executable, __file__, "--run", role, "--seed-of-run", str(seed), "--workdir", args.workdir]
     command += ["--steps", str(args.steps), "--eval-every", str(args.eval_every)]
     command += ["--trl-eval-every", str(args.trl_eval_every), "--precision", args.precision]
+    command += ["--colocate"] if args.colocate else []
     command += ["--budget", str(budget)] if budget is not None else []
     env = child_env()
     print(f"seed {seed}, {role}: running (log: {log_path})", file=sys.stderr, flush=True)
@@ -364,7 +385,7 @@ def result_of(args, role: str, seed: int, budget: float | None = None) -> dict:
         if records is None or not same:  # a finished run folder of these settings is read again, not rerun
             shutil.rmtree(run_dir, ignore_errors=True)  # ours alone: an unfinished run is started again
             run_child(args, role, seed, None, run_dir + ".log")
-        result = ours_curve(read_metrics(run_dir))
+        result = ours_curve(read_metrics(run_dir), colocated=args.colocate)
         if result["eval_steps"][-1] != args.steps:
             raise SystemExit(f"{run_dir}: metrics end before step {args.steps}")
     else:
@@ -496,6 +517,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=1, help="ours: evaluate every this many steps")
     parser.add_argument("--trl-eval-every", type=int, default=1, help="TRL: evaluate every this many steps")
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="both sides")
+    parser.add_argument(
+        "--colocate", action="store_true", help="ours: the rollout engine in the trainer's process (rollout.colocate)"
+    )
     parser.add_argument("--workdir", default="runs/learning_vs_trl", help="run folders and results (reused)")
     parser.add_argument("--json", default="docs/learning_vs_trl.json")
     parser.add_argument("--plot", default="docs/learning_vs_trl.png")

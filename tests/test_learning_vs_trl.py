@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"steps": 2, "eval_every": 1, "trl_eval_every": 1, "precision": "float32"}
+SETTINGS = {"steps": 2, "eval_every": 1, "trl_eval_every": 1, "precision": "float32", "colocate": False}
 
 
 def saved_run(side: str, seed: int, seconds: list[float], accuracy: list[float], budget: float | None) -> dict:
@@ -66,3 +66,54 @@ def test_the_verdict_per_seed_and_on_the_mean_over_seeds(tmp_path):
     assert [t["trl_seconds"] for t in targets] == [8.0, 8.0, 20.0, 20.0]
     assert verdict["ours_gain_at_least_trls"] is True
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def charged(records: list[dict], colocated: bool) -> float:
+    """`learning_vs_trl.ours_curve(records, colocated)["wall_seconds"]`, in a child process: importing the script
+    in pytest's would re-execute pytest with the allocator's tunables (`python -c` is left as it is)."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import learning_vs_trl as m; "
+        "print(json.dumps(m.ours_curve(json.loads(sys.argv[1]), colocated=sys.argv[2] == '1')['wall_seconds']))"
+    )
+    command = [sys.executable, "-c", code, json.dumps(records), "1" if colocated else "0"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def step_record(step: int, *, wall: float, evaluation: float, waited: float, rollout: float, engine: float) -> dict:
+    return {
+        "step": step,
+        "perf/step_seconds": wall,
+        "perf/eval_seconds": evaluation,
+        "perf/trainer_wait_seconds": waited,
+        "perf/rollout_seconds": rollout,
+        "perf/rollout_engine_seconds": engine,
+        "perf/reward_seconds": 0.5,
+        "eval/accuracy": 0.5,
+        "eval/num_prompts": 64,
+    } | ({"perf/rollout_warmup_seconds": 10.0, "perf/rollout_warmup_past_start_seconds": 3.0} if step == 1 else {})
+
+
+def test_a_colocated_run_is_charged_its_engine_time_in_either_order_of_generation_and_evaluation():
+    """Every step trains 4 s, evaluates 6 s, generates 2 s and scores 0.5 s: 6.5 s of training a step, and step 1
+    is charged the 3 s of the warm-up that outlasted the start-up (the evaluation before training hid them).
+
+    Evaluation first: the generation queues behind it on the trainer actor, so the step after waits 2.5 s for the
+    batch; its rollout time (8 s) holds the queue. Generation first: the evaluation queues behind it (8 s) and the
+    step after waits for nothing. Either way a colocated run is charged 6.5 s a step; a worker's accounting
+    (`perf/rollout_seconds`, which holds a worker's wait for its warm-up) would charge the queue behind the
+    evaluation as generation, 6 s more a step."""
+    start = {"step": 0, "perf/eval_seconds": 6.0, "eval/accuracy": 0.2, "eval/num_prompts": 64}
+    evaluation_first = [
+        start,
+        *(step_record(s, wall=2.5 + 4 + 6, evaluation=6.0, waited=2.5, rollout=8.0, engine=2.0) for s in (1, 2)),
+    ]
+    generation_first = [
+        start,
+        *(step_record(s, wall=0 + 4 + 8, evaluation=8.0, waited=0.0, rollout=2.0, engine=2.0) for s in (1, 2)),
+    ]
+    assert abs(charged(evaluation_first, colocated=True) - 16.0) < 1e-9
+    assert abs(charged(generation_first, colocated=True) - 16.0) < 1e-9
+    assert abs(charged(evaluation_first, colocated=False) - 25.0) < 1e-9

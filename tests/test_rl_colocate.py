@@ -61,6 +61,11 @@ def test_a_colocated_run_trains_bitwise_as_a_run_with_a_rollout_worker(ray_sessi
     assert all(r["perf/publish_bytes"] == 0 and r["perf/weight_sync_fetch_seconds"] == 0 for r in colocated)
     assert [r["perf/weight_sync_bytes"] for r in colocated] == [r["perf/weight_sync_bytes"] for r in worker]
     assert colocated[0]["perf/rollout_warmup_seconds"] > 0  # its warm-up ran in the trainer and was reported
+    assert worker[0]["perf/rollout_warmup_past_start_seconds"] >= 0  # the part the start-up did not hide
+    assert colocated[0]["perf/rollout_warmup_past_start_seconds"] >= 0
+    # The engine's own time, apart from the call's queue on its actor and the trip back to the driver.
+    for r in worker + colocated:
+        assert 0 < r["perf/rollout_engine_seconds"] <= r["perf/rollout_seconds"]
 
 
 @pytest.mark.parametrize("lora_rank", [0, 2])
@@ -118,6 +123,7 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
         np.testing.assert_array_equal(got.behavior_logprobs, want.behavior_logprobs)
         assert set(got.policy_version.tolist()) == {version}
         assert stats["load_fetch_seconds"] == 0.0 and stats["load_bytes"] > 0
+        assert stats["engine_seconds"] > stats["load_seconds"] > 0  # the load, the generation and the freeing
         # The engine places the trainer's params where it placed the warm-up's placeholder weights (from host
         # memory), so the generations run the warm-up's programs: no prefill or decode program compiled again.
         again = [name for name in compiled if "prefill" in name or "dispatch" in name]

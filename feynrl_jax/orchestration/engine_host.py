@@ -189,8 +189,9 @@ class EngineHost:
         warm-up's end.
 
         Returns:
-            `NativeEngine.warm_up`'s figures; {} for a vLLM engine (it warmed itself up when it started) or where
-            the warm-up failed: the failure is logged, and the first generation compiles what it needs.
+            `NativeEngine.warm_up`'s figures and `ended_at` (`time.time()` at its end); {} for a vLLM engine (it
+            warmed itself up when it started) or where the warm-up failed: the failure is logged, and the first
+            generation compiles what it needs.
         """
         if self.spec.kind != "native":
             return {}
@@ -214,7 +215,7 @@ class EngineHost:
             finally:
                 if self.release_after_generate and self.engine is not None and self.version == -1:
                     self.engine.release_memory()
-        return stats
+        return {**stats, "ended_at": time.time()}
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: Any, snapshot: Any, delay_s: float = 0.0
@@ -231,9 +232,12 @@ class EngineHost:
             delay_s: seconds to sleep first (tests: a slow worker must not change what a run computes).
 
         Returns:
-            `(Rollouts, stats)`: the engine's `last_stats`, the weight sync's figures (`load`) and, native engine,
+            `(Rollouts, stats)`: the engine's `last_stats`, the weight sync's figures (`load`), `engine_seconds`
+            (from the call's start here to its end: waiting for the engine (a warm-up), loading, generating and,
+            colocated, freeing; not the time the call queued in its actor before it started) and, native engine,
             `compile_seconds` (JAX's backend compiles during the call, the load's included).
         """
+        entered = time.perf_counter()
         with self.generations_lock:
             self.generations += 1
         try:
@@ -249,12 +253,13 @@ class EngineHost:
                     stats = {**self.engine.last_stats, **sync}
                     if self.clock:
                         stats["compile_seconds"] = self.clock.seconds() - compiled
-                    return rollouts, stats
                 finally:
                     self.generating = False
                     if self.release_after_generate and self.engine is not None:
                         self.version = -1  # the next generation loads the trainer's params again
                         self.engine.release_memory()
+            stats["engine_seconds"] = time.perf_counter() - entered
+            return rollouts, stats
         finally:
             with self.generations_lock:
                 self.generations -= 1

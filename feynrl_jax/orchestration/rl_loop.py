@@ -130,8 +130,9 @@ def generate(
 
     Returns:
         `(rollouts, stats)`: stats hold `lost` (chunks lost to dead workers), `generated_tokens`, the weight
-        sync's `load_seconds`, `load_fetch_seconds` and `load_bytes` (max over workers), and the native engine's
-        `slot_utilisation` (mean) and `compile_seconds` (max over workers).
+        sync's `load_seconds`, `load_fetch_seconds` and `load_bytes` and each engine's own time `engine_seconds`
+        (max over workers), and the native engine's `slot_utilisation` (mean) and `compile_seconds` (max over
+        workers).
 
     Raises:
         RuntimeError: a chunk still failed after `max_retries` retries (names the worker).
@@ -185,6 +186,8 @@ def generation_stats(stats: list[dict], *, lost: int) -> dict[str, float]:
     }
     if all("compile_seconds" in s for s in stats):  # the native engine's JAX compiles (the slowest worker's)
         out["compile_seconds"] = float(max(s["compile_seconds"] for s in stats))
+    if all("engine_seconds" in s for s in stats):  # the slowest engine's own time (`EngineHost.generate`)
+        out["engine_seconds"] = float(max(s["engine_seconds"] for s in stats))
     if all("slot_utilisation" in s for s in stats):  # the native engine's; vLLM schedules its own batch
         out["slot_utilisation"] = float(np.mean([s["slot_utilisation"] for s in stats]))
     return out
@@ -307,6 +310,7 @@ class _Run:
         self.trainer_calls = threading.Lock()  # every trainer process gets the calls in the same order
         self.workers: list[Any] = []
         self.warmups: list[Any] = []  # the workers' `warm_up` calls, until the first step reports them
+        self.started_at: float | None = None  # `time.time()` when the trainer's `start` returned
 
     def start_actors(self) -> None:
         """Creates the parameter store, the trainer, the rollout workers and the reward scorer (Ray is up), and
@@ -464,13 +468,17 @@ class _Run:
             metrics["rollout/slot_utilisation"] = totals["slot_utilisation"] / generations
         if "compile_seconds" in totals:
             metrics["perf/rollout_compile_seconds"] = totals["compile_seconds"]
+        if "engine_seconds" in totals:
+            metrics["perf/rollout_engine_seconds"] = totals["engine_seconds"]
         metrics.update(self.prompts.metrics())  # rows skipped (by reason and source), examples taken per source
         return scored, metrics
 
     def warmup_metrics(self) -> dict[str, float]:
-        """`perf/rollout_warmup_seconds` (the slowest worker's `warm_up`) at the first step after every warm-up
-        ended (each worker's first generation waits for its own, so usually step 1); {} before, after, or where one
-        failed or its worker died."""
+        """`perf/rollout_warmup_seconds` (the slowest worker's `warm_up`) and `perf/rollout_warmup_past_start_seconds`
+        (how long the last warm-up to end ran after the trainer's start-up had ended: what the start-up did not
+        hide, and a generation right after it waits for) at the first step after every warm-up ended (each
+        worker's first generation waits for its own, so usually step 1); {} before, after, or where one failed or
+        its worker died."""
         if not self.warmups:
             return {}
         done, _ = ray.wait(self.warmups, num_returns=len(self.warmups), timeout=0)
@@ -497,7 +505,11 @@ class _Run:
             seconds,
             f"; {cut} cut short by the first generation ({finish})" if cut else "",
         )
-        return {"perf/rollout_warmup_seconds": seconds}
+        metrics = {"perf/rollout_warmup_seconds": seconds}
+        if self.started_at is not None:  # wall clocks of one machine (of several, as far as they agree)
+            ended = max(s["ended_at"] for s in stats)
+            metrics["perf/rollout_warmup_past_start_seconds"] = max(0.0, ended - self.started_at)
+        return metrics
 
     def named_trainers(self) -> list[tuple[Any, str]]:
         """`(handle, name)` of the trainer's processes: "trainer", or "trainer process <i>" when several."""
@@ -663,6 +675,7 @@ def _train(driver: _Run) -> dict[str, float]:
         driver.start_actors()
         driver.wait_ready()
         restored = driver.on_trainer("start")
+        driver.started_at = time.time()
         run_setup.write_resolved_config(config, config.run_dir)  # once the checkpoint it describes is known to be good
         log.info("trainer ready after %.1f s", time.perf_counter() - wall0)
         start, version = restored["step"], restored["policy_version"]
