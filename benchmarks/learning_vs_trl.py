@@ -47,13 +47,14 @@ start-up on).
     evaluation run one after the other, in either order; `perf/rollout_seconds` then holds the time the call
     queued behind the evaluation. Such a step is charged the engine's own time instead
     (`perf/rollout_engine_seconds`: waiting for the warm-up, loading, generating, freeing) plus the scoring, less
-    what the trainer waited for. Generation first: the evaluation's time held the generation, which the step
-    after is charged (nothing was waited for). Evaluation first: the step after waited for the whole generation
-    and scoring, which its wall time holds, and is charged nothing more. Exact in both orders. The warm-up runs
-    in a thread of the trainer from start-up on; the part of it that outlasted the start-up
-    (`perf/rollout_warmup_past_start_seconds`), which the evaluation before training hid and a first generation
-    would otherwise have waited for, is charged to step 1 too (twice where that generation ran first and waited
-    for it: an overcharge).
+    what the trainer waited for. Evaluation first: the step after waited for the whole generation and scoring,
+    which its wall time holds, and is charged nothing more: exact. Generation first: the evaluation's time held
+    the generation, which the step after is charged (nothing was waited for): exact but for the call's round trip
+    and the driver's work before it (milliseconds; in `docs/learning_vs_trl_colocated.json` every step ran
+    evaluation first). The warm-up runs in a thread of the trainer from start-up on; the part of it that outlasted
+    the start-up (`perf/rollout_warmup_past_start_seconds`), which the evaluation before training hid and a first
+    generation would otherwise have waited for, is charged to step 1 too: twice, an overcharge, where the first
+    generation itself still waited for the warm-up (it ran first, or the warm-up outlasted the evaluation).
 
 Usage:
     pip install "trl==1.16.0"   # not a dependency of the project
@@ -346,8 +347,9 @@ def run_trl(args, seed: int, budget: float) -> dict:
 
 
 def settings_of(args) -> dict:
-    keys = ("steps", "eval_every", "trl_eval_every", "precision", "colocate")
-    return {k: getattr(args, k) for k in keys}
+    keys = ("steps", "eval_every", "trl_eval_every", "precision")
+    settings = {k: getattr(args, k) for k in keys}
+    return settings | ({"colocate": True} if args.colocate else {})  # runs saved before the flag still match
 
 
 def run_child(args, role: str, seed: int, budget: float | None, log_path: str) -> None:

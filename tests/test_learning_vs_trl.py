@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"steps": 2, "eval_every": 1, "trl_eval_every": 1, "precision": "float32", "colocate": False}
+SETTINGS = {"steps": 2, "eval_every": 1, "trl_eval_every": 1, "precision": "float32"}
 
 
 def saved_run(side: str, seed: int, seconds: list[float], accuracy: list[float], budget: float | None) -> dict:
@@ -101,10 +101,12 @@ def test_a_colocated_run_is_charged_its_engine_time_in_either_order_of_generatio
     is charged the 3 s of the warm-up that outlasted the start-up (the evaluation before training hid them).
 
     Evaluation first: the generation queues behind it on the trainer actor, so the step after waits 2.5 s for the
-    batch; its rollout time (8 s) holds the queue. Generation first: the evaluation queues behind it (8 s) and the
-    step after waits for nothing. Either way a colocated run is charged 6.5 s a step; a worker's accounting
-    (`perf/rollout_seconds`, which holds a worker's wait for its warm-up) would charge the queue behind the
-    evaluation as generation, 6 s more a step."""
+    batch; its rollout time (8 s) holds the queue. Colocated, that is charged 6.5 s a step and the 3 s: 16 s. A
+    worker's accounting (`perf/rollout_seconds`, which holds a worker's wait for its warm-up) would charge the
+    queue behind the evaluation as generation: 6 s more a step, 3 s more at step 1 (no warm-up term), 25 s.
+    Generation first: the evaluation queues behind it (8 s) and the step after waits for nothing; step 1's
+    generation then waited the 3 s for the warm-up itself (5 s of engine time), so those are charged twice: 19 s,
+    an overcharge of ours, never an undercharge."""
     start = {"step": 0, "perf/eval_seconds": 6.0, "eval/accuracy": 0.2, "eval/num_prompts": 64}
     evaluation_first = [
         start,
@@ -112,8 +114,9 @@ def test_a_colocated_run_is_charged_its_engine_time_in_either_order_of_generatio
     ]
     generation_first = [
         start,
-        *(step_record(s, wall=0 + 4 + 8, evaluation=8.0, waited=0.0, rollout=2.0, engine=2.0) for s in (1, 2)),
+        step_record(1, wall=0 + 4 + 8, evaluation=8.0, waited=0.0, rollout=5.0, engine=5.0),
+        step_record(2, wall=0 + 4 + 8, evaluation=8.0, waited=0.0, rollout=2.0, engine=2.0),
     ]
     assert abs(charged(evaluation_first, colocated=True) - 16.0) < 1e-9
-    assert abs(charged(generation_first, colocated=True) - 16.0) < 1e-9
+    assert abs(charged(generation_first, colocated=True) - 19.0) < 1e-9
     assert abs(charged(evaluation_first, colocated=False) - 25.0) < 1e-9
