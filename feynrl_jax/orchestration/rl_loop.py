@@ -184,10 +184,10 @@ def generation_stats(stats: list[dict], *, lost: int) -> dict[str, float]:
         # Workers load in parallel: a step's weight sync takes as long as the slowest worker's.
         **{key: float(max(s[key] for s in stats)) for key in ("load_seconds", "load_fetch_seconds", "load_bytes")},
     }
-    if all("compile_seconds" in s for s in stats):  # the native engine's JAX compiles (the slowest worker's)
-        out["compile_seconds"] = float(max(s["compile_seconds"] for s in stats))
-    if all("engine_seconds" in s for s in stats):  # the slowest engine's own time (`EngineHost.generate`)
-        out["engine_seconds"] = float(max(s["engine_seconds"] for s in stats))
+    # The slowest worker's: the native engine's JAX compiles, and each engine's own time (`EngineHost.generate`).
+    for key in ("compile_seconds", "engine_seconds"):
+        if all(key in s for s in stats):
+            out[key] = float(max(s[key] for s in stats))
     if all("slot_utilisation" in s for s in stats):  # the native engine's; vLLM schedules its own batch
         out["slot_utilisation"] = float(np.mean([s["slot_utilisation"] for s in stats]))
     return out
