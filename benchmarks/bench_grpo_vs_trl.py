@@ -32,9 +32,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from scratch import scratch_folder
 
 from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
@@ -275,14 +276,20 @@ def main() -> None:
         help="placement: ours with a rollout worker, then ours colocated (--colocate is then ignored)",
     )
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # the subprocess's role
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument(
+        "--workdir", default=None, help="both sides' run folders (default: a temporary folder, removed on success)"
+    )
     args = parser.parse_args()
     if args.side is not None:
         result = run_ours(args) if args.side == "ours" else run_trl(args)
         print("RESULT " + json.dumps(summarise(args.side, result)), flush=True)
         return
+    with scratch_folder(args.workdir, prefix="bench_grpo_") as workdir:
+        compare(args, workdir)
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_grpo_")
+
+def compare(args, workdir: str) -> None:
+    """Runs the sides `--which` names, each in its own subprocess, and prints each one's line and the summary."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled")
     # (label, subprocess role, ours colocated)
     sides = {
@@ -311,7 +318,7 @@ def main() -> None:
         print(
             json.dumps(
                 {
-                    "settings": vars(args) | {"workdir": workdir},
+                    "settings": vars(args),
                     "workers_seconds_per_step": workers["seconds_per_step"],
                     "colocated_seconds_per_step": colocated["seconds_per_step"],
                     "colocated_speedup": workers["seconds_per_step"] / colocated["seconds_per_step"],
@@ -327,7 +334,7 @@ def main() -> None:
         print(
             json.dumps(
                 {
-                    "settings": vars(args) | {"workdir": workdir},
+                    "settings": vars(args),
                     "ours_seconds_per_step": results["ours"]["seconds_per_step"],
                     "trl_seconds_per_step": results["trl"]["seconds_per_step"],
                     "speedup_vs_trl": ratio,

@@ -30,7 +30,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from unittest import mock
 
@@ -44,6 +43,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_lora import SMOLLM2_135M  # noqa: E402
+from scratch import scratch_folder  # noqa: E402
 
 from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts  # noqa: E402
 
@@ -209,19 +209,19 @@ def main() -> None:
     sides = set(args.sides.split(",")) | {"rl_packed"}
     if sides - set(SIDES):
         parser.error(f"--sides: unknown {sorted(sides - set(SIDES))}; expected some of {SIDES}")
-    workdir = tempfile.mkdtemp(prefix="bench_rl_update_")
-    runs = {
-        "rl_packed": lambda: run_rl(args, workdir, pack=True),
-        "rl_dense": lambda: run_rl(args, workdir, pack=True, blocks=False),
-        "rl_unpacked": lambda: run_rl(args, workdir, pack=False),
-        "plain": lambda: run_plain(args),
-    }
     result = {
         "model": f"SmolLM2-135M architecture (random weights, float32), {args.precision} compute, one CPU device",
         "cpu": os.popen("lscpu | grep 'Model name' | cut -d: -f2").read().strip(),
         "settings": vars(args),
     }
-    result |= {side: run() for side, run in runs.items() if side in sides}
+    with scratch_folder(None, prefix="bench_rl_update_") as workdir:
+        runs = {
+            "rl_packed": lambda: run_rl(args, workdir, pack=True),
+            "rl_dense": lambda: run_rl(args, workdir, pack=True, blocks=False),
+            "rl_unpacked": lambda: run_rl(args, workdir, pack=False),
+            "plain": lambda: run_plain(args),
+        }
+        result |= {side: run() for side, run in runs.items() if side in sides}
     rate = {side: result[side]["tokens_per_second"] for side in SIDES if side in result}
     for name, (a, b) in RATIOS.items():
         if a in rate and b in rate:
