@@ -8,7 +8,6 @@ variables set joins the job through ``feynrl_jax.sharding.initialize_distributed
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_launch_scripts import free_port
 from xla_codegen import with_suite_codegen
 
 MESH_NAME = "fsdp4_tp2"
@@ -60,10 +60,11 @@ def _worker(out_path: str) -> None:
     jax.distributed.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def coordinator_port() -> int:
+    """A free port for the coordinator, below Linux's ephemeral range (32768 up) and above Ray's worker ports
+    (10002-19999): the Ray runs beside this test in the first pass open ports in both, and one that took the port
+    between this draw and the coordinator's bind would keep the workers from joining."""
+    return free_port(20000, 32768)
 
 
 @pytest.mark.multiprocess
@@ -72,7 +73,7 @@ def test_two_processes_match_one_process(tmp_path: Path):
     from test_train_step import max_relative_difference, run
 
     out = tmp_path / "params.npz"
-    port = _free_port()
+    port = coordinator_port()
     # Each worker writes to a file of its own: a pipe left unread while the test waits for the other worker would
     # block a worker that wrote more than the pipe holds, and with it the other, in their collectives.
     procs, outputs = [], []
