@@ -56,11 +56,21 @@ start-up on).
     generation would otherwise have waited for, is charged to step 1 too: twice, an overcharge, where the first
     generation itself still waited for the warm-up (it ran first, or the warm-up outlasted the evaluation).
 
+Compilation cache (`--compile-cache`, ours only: TRL compiles nothing). `cold` (the default): JAX's persistent
+compilation cache is off in ours' runs, whatever the environment says, so every program compiles in the run, as on
+a machine's first run. `warm`: every run of ours uses one cache folder in the workdir, which one run of ours with the
+same settings and a seed the comparison does not use (`max(--seeds) + 1`) fills first, unless the folder holds
+programs already: a user's later runs, since the CLI keeps its cache on by default (`feynrl_jax/cache_dirs.py`).
+JAX stores only the programs that took a second or more to compile (its default, as in the CLI); the smaller ones
+compile in every run. The summary's settings say how the cache was filled.
+
 Usage:
     pip install "trl==1.16.0"   # not a dependency of the project
     python benchmarks/learning_vs_trl.py                                  # 3 seeds, the demo's 12 steps
     python benchmarks/learning_vs_trl.py --colocate --workdir runs/learning_vs_trl_colocated \\
         --json docs/learning_vs_trl_colocated.json --plot docs/learning_vs_trl_colocated.png  # ours colocated
+    python benchmarks/learning_vs_trl.py --colocate --compile-cache warm --workdir runs/learning_vs_trl_warm \\
+        --json docs/learning_vs_trl_warm_cache.json --plot docs/learning_vs_trl_warm_cache.png  # a later run
     python benchmarks/learning_vs_trl.py --seeds 0 --steps 2 --eval-every 1 --trl-eval-every 1 \\
         --workdir /tmp/learning_vs_trl_smoke --json /tmp/lvt.json --plot /tmp/lvt.png        # smoke run
 
@@ -85,6 +95,7 @@ from pathlib import Path
 from async_learning import _mean, _std, child_env, demo_config, finished_run, plot_curves, seed_table
 from bench_grpo_vs_trl import TRL_RUN_SETTINGS
 
+from feynrl_jax.cache_dirs import COMPILE_CACHE_VARIABLE, DEFAULT_MAX_BYTES, MAX_SIZE_VARIABLE
 from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
 reexec_with_allocator_tunables()  # before JAX or torch allocate: both sides run with it
@@ -97,7 +108,8 @@ def run_config(args, seed: int):
     """Ours: the demo config with the seed, the benchmark's steps, evaluation cadence and precision."""
     config = demo_config()
     config.name = f"learning_vs_trl_seed{seed}"
-    config.run_dir = os.path.join(args.workdir, f"ours_seed{seed}")
+    suffix = "_warm_cache" if args.compile_cache == "warm" else ""  # a cold run's folder is never read as a warm one
+    config.run_dir = os.path.join(args.workdir, f"ours_seed{seed}{suffix}")
     config.seed = seed
     config.train.steps = args.steps
     config.train.eval_every = args.eval_every
@@ -349,7 +361,57 @@ def run_trl(args, seed: int, budget: float) -> dict:
 def settings_of(args) -> dict:
     keys = ("steps", "eval_every", "trl_eval_every", "precision")
     settings = {k: getattr(args, k) for k in keys}
-    return settings | ({"colocate": True} if args.colocate else {})  # runs saved before the flag still match
+    settings |= {"colocate": True} if args.colocate else {}  # runs saved before these flags still match
+    return settings | ({"compile_cache": "warm"} if args.compile_cache == "warm" else {})
+
+
+def compile_cache_folder(args) -> str:
+    """The JAX compilation cache of `--compile-cache warm`: one folder in the workdir, shared by ours' runs."""
+    return os.path.join(args.workdir, "jax_compile_cache")
+
+
+def compile_cache_env(args) -> dict[str, str]:
+    """Ours' JAX compilation cache (`feynrl_jax.cache_dirs`; a local Ray cluster's workers inherit it): off for
+    `cold`, whatever the caller's environment holds; for `warm`, `compile_cache_folder` with the CLI's size bound."""
+    if args.compile_cache == "cold":
+        return {COMPILE_CACHE_VARIABLE: "", "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    return {
+        COMPILE_CACHE_VARIABLE: compile_cache_folder(args),
+        "JAX_ENABLE_COMPILATION_CACHE": "true",
+        MAX_SIZE_VARIABLE: os.environ.get(MAX_SIZE_VARIABLE, str(DEFAULT_MAX_BYTES)),
+    }
+
+
+def fill_compile_cache(args) -> dict:
+    """`--compile-cache warm`: where `compile_cache_folder` holds no program yet, one run of ours with the same
+    settings and a seed the comparison does not use fills it (its run folder is removed after, its log kept); a
+    folder that holds programs already is used as it is. Returns what was done, for the summary's settings: how
+    this script filled the folder (`<folder>.fill.json`, kept for later invocations), else `filled_by` None."""
+    folder = compile_cache_folder(args)
+    record = folder + ".fill.json"  # how this script filled it, kept for the summaries of later invocations
+    entries = len(os.listdir(folder)) if os.path.isdir(folder) else 0
+    if entries:
+        print(f"compile cache {folder}: {entries} entries already, used as it is", file=sys.stderr, flush=True)
+        filled = {"filled_by": None}
+        if os.path.exists(record):
+            with open(record, encoding="utf-8") as f:
+                filled = json.load(f)
+        return {"folder": folder, **filled, "entries_before": entries}
+    seed = max(args.seeds) + 1
+    run_dir = run_config(args, seed).run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    run_child(args, "ours", seed, None, run_dir + ".log")
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(run_dir, ignore_errors=True)  # its final checkpoint: a GB the comparison never reads
+    entries = len(os.listdir(folder)) if os.path.isdir(folder) else 0
+    if not entries:
+        raise SystemExit(f"the filling run left no program in {folder}: JAX's compilation cache is not in use")
+    print(f"compile cache {folder}: filled by ours, seed {seed}, in {seconds:.0f} s", file=sys.stderr, flush=True)
+    filled = {"filled_by": f"ours, seed {seed}", "fill_seconds": seconds, "entries_after": entries}
+    with open(record, "w", encoding="utf-8") as f:
+        json.dump(filled, f)
+    return {"folder": folder, **filled}
 
 
 def run_child(args, role: str, seed: int, budget: float | None, log_path: str) -> None:
@@ -357,8 +419,9 @@ def run_child(args, role: str, seed: int, budget: float | None, log_path: str) -
     command += ["--steps", str(args.steps), "--eval-every", str(args.eval_every)]
     command += ["--trl-eval-every", str(args.trl_eval_every), "--precision", args.precision]
     command += ["--colocate"] if args.colocate else []
+    command += ["--compile-cache", args.compile_cache]
     command += ["--budget", str(budget)] if budget is not None else []
-    env = child_env()
+    env = child_env() | (compile_cache_env(args) if role == "ours" else {})
     print(f"seed {seed}, {role}: running (log: {log_path})", file=sys.stderr, flush=True)
     with open(log_path, "w", encoding="utf-8") as log:
         code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
@@ -495,7 +558,9 @@ def table(runs: list[dict]) -> str:
     return seed_table(runs, columns, cell)
 
 
-def plot(runs: list[dict], path: str, precision: str) -> None:
+def plot(runs: list[dict], path: str, args) -> None:
+    placement = ", engine colocated" if args.colocate else ""
+    cache = ", warm compilation cache" if args.compile_cache == "warm" else ""
     plot_curves(
         runs,
         path,
@@ -503,7 +568,7 @@ def plot(runs: list[dict], path: str, precision: str) -> None:
         label=lambda r: f"{NAMES[r['side']]}, seed {r['seed']}",
         xlabel="wall time of training (s, evaluations left out)",
         ylabel="held-out accuracy (greedy, 64 prompts)",
-        title=f"grpo_demo, SmolLM2-135M, {precision}: feynrl-jax vs TRL at equal wall time",
+        title=f"grpo_demo, SmolLM2-135M, {args.precision}{placement}{cache}: feynrl-jax vs TRL at equal wall time",
         means={
             f"{NAMES[side]}, mean of the seeds": (*mean_curve([r for r in runs if r["side"] == side]), COLOURS[side])
             for side in NAMES
@@ -521,6 +586,13 @@ def main() -> None:
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="both sides")
     parser.add_argument(
         "--colocate", action="store_true", help="ours: the rollout engine in the trainer's process (rollout.colocate)"
+    )
+    parser.add_argument(
+        "--compile-cache",
+        choices=("cold", "warm"),
+        default="cold",
+        help="ours: JAX's compilation cache off (cold: a first run on the machine), or filled by one run of ours "
+        "first (warm: a user's later runs, whose CLI keeps the cache on by default)",
     )
     parser.add_argument("--workdir", default="runs/learning_vs_trl", help="run folders and results (reused)")
     parser.add_argument("--json", default="docs/learning_vs_trl.json")
@@ -541,6 +613,7 @@ def main() -> None:
         return
 
     os.makedirs(args.workdir, exist_ok=True)
+    cache = fill_compile_cache(args) if args.compile_cache == "warm" else None
     runs = []
     for seed in args.seeds:
         ours = result_of(args, "ours", seed)
@@ -555,12 +628,13 @@ def main() -> None:
                 f"{trl['accuracy_before']}): the two evaluations are not the same yardstick"
             )
         runs += [ours, trl]
-    summary = {"settings": settings_of(args) | {"seeds": args.seeds}, "verdict": summarise(runs), "runs": runs}
+    settings = settings_of(args) | {"seeds": args.seeds} | ({"compile_cache_fill": cache} if cache else {})
+    summary = {"settings": settings, "verdict": summarise(runs), "runs": runs}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
         f.write("\n")
-    plot(runs, args.plot, args.precision)
+    plot(runs, args.plot, args)
     print(table(runs))
     print(json.dumps(summary["verdict"]))
     print(f"summary: {args.json}; plot: {args.plot}", flush=True)

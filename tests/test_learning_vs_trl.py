@@ -120,3 +120,50 @@ def test_a_colocated_run_is_charged_its_engine_time_in_either_order_of_generatio
     assert abs(charged(evaluation_first, colocated=True) - 16.0) < 1e-9
     assert abs(charged(generation_first, colocated=True) - 19.0) < 1e-9
     assert abs(charged(evaluation_first, colocated=False) - 25.0) < 1e-9
+
+
+def test_the_compile_cache_mode_reaches_ours_runs_and_a_warm_summary_names_its_cache(tmp_path):
+    """`--compile-cache`: cold turns JAX's cache off in ours' runs even where the caller's environment names a
+    folder; warm points them at the workdir's folder, keeps its runs in folders and saved results of their own (a
+    cold run is never read as a warm one), and a folder that holds programs already is used without a filling run."""
+    code = (
+        "import json, sys, argparse; sys.path.insert(0, 'benchmarks'); import learning_vs_trl as m; out = {}\n"
+        "for mode in ('cold', 'warm'):\n"
+        "    a = argparse.Namespace(compile_cache=mode, workdir=sys.argv[1], steps=2, eval_every=1,\n"
+        "                           trl_eval_every=1, precision='float32', colocate=False)\n"
+        "    out[mode] = [m.compile_cache_env(a), m.settings_of(a), m.run_config(a, 0).run_dir]\n"
+        "print(json.dumps(out))"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "callers_cache"))
+    command = [sys.executable, "-c", code, str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    (cold_env, cold_settings, cold_dir), (warm_env, warm_settings, warm_dir) = out["cold"], out["warm"]
+    assert cold_env["JAX_COMPILATION_CACHE_DIR"] == "" and cold_env["JAX_ENABLE_COMPILATION_CACHE"] == "false"
+    assert warm_env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "jax_compile_cache")
+    assert warm_env["JAX_ENABLE_COMPILATION_CACHE"] == "true"
+    assert cold_settings == SETTINGS and warm_settings == SETTINGS | {"compile_cache": "warm"}
+    assert cold_dir == str(tmp_path / "ours_seed0") and warm_dir == str(tmp_path / "ours_seed0_warm_cache")
+
+    # A warm summary from saved runs: the folder holds a program, so nothing fills it, and the summary says so.
+    (tmp_path / "jax_compile_cache").mkdir()
+    (tmp_path / "jax_compile_cache" / "jit_step-0123").write_bytes(b"program")
+    for side, budget in (("ours", None), ("trl", 20.0)):
+        run = saved_run(side, 0, [0.0, 10.0, 20.0], [0.2, 0.5, 0.6], budget)
+        run["settings"] = warm_settings
+        (tmp_path / f"{side}_seed0.json").write_text(json.dumps(run))
+    summary = tmp_path / "verdict.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "learning_vs_trl.py"), "--seeds", "0", "--steps", "2"]
+    command += ["--compile-cache", "warm", "--workdir", str(tmp_path), "--json", str(summary)]
+    command += ["--plot", str(tmp_path / "curves.png")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 entries already, used as it is" in done.stderr and "reusing" in done.stderr
+    settings = json.loads(summary.read_text())["settings"]
+    assert settings["compile_cache"] == "warm"
+    assert settings["compile_cache_fill"] == {
+        "folder": str(tmp_path / "jax_compile_cache"),
+        "filled_by": None,
+        "entries_before": 1,
+    }
