@@ -65,8 +65,11 @@ def test_a_colocated_run_trains_bitwise_as_a_run_with_a_rollout_worker(ray_sessi
     # The colocated warm-up started in the trainer before its start-up ended (the driver sent it first).
     assert 0 <= colocated[0]["perf/rollout_warmup_past_start_seconds"] <= colocated[0]["perf/rollout_warmup_seconds"]
     # The engine's own time, apart from the call's queue on its actor and the trip back to the driver.
+    # Generation speed is measured on that engine time, the queue and the round trip left out.
     for r in worker + colocated:
-        assert 0 < r["perf/rollout_engine_seconds"] <= r["perf/rollout_seconds"]
+        assert 0 < r["perf/rollout_engine_seconds"] < r["perf/rollout_seconds"]
+        rate = r["rollout/generated_tokens"] / r["perf/rollout_engine_seconds"]
+        assert r["rollout/tokens_per_second"] == pytest.approx(rate, rel=1e-12)
 
 
 @pytest.mark.parametrize("lora_rank", [0, 2])

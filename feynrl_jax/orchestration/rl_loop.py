@@ -449,13 +449,16 @@ class _Run:
             )
         self.lost_batches += int(totals["lost"])
         self.reward_retries += int(totals["reward_retries"])
+        # Tokens per second of the engines' own time where they report it: the driver's wait (`rollout`) also holds
+        # a colocated call's queue behind an evaluation, and misses what a worker generated while the driver evaluated.
+        generating = totals.get("engine_seconds", totals["rollout"])
         metrics.update(
             {
                 "rollout/lost_batches": float(self.lost_batches),
                 "rollout/lost_batches_this_step": totals["lost"],
                 "rollout/reward_retries": float(self.reward_retries),
                 "rollout/generated_tokens": totals["generated_tokens"],
-                "rollout/tokens_per_second": totals["generated_tokens"] / max(totals["rollout"], 1e-9),
+                "rollout/tokens_per_second": totals["generated_tokens"] / max(generating, 1e-9),
                 "perf/rollout_seconds": totals["rollout"],
                 "perf/weight_sync_seconds": totals["load_seconds"],
                 "perf/weight_sync_fetch_seconds": totals["load_fetch_seconds"],
