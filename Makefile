@@ -68,10 +68,8 @@ lint: setup
 # whole first pass left 5.4 GiB available at least, and once 3.6 GiB while the vLLM files could run side by side. The `serial` ones (the bad-input runs and other tests that
 # time themselves or wait on short timeouts, the launch-script tests that bind ports they picked, and the vLLM RL runs,
 # which need the memory) then run one at a time with nothing beside them.
-# Both passes and the notebooks after them share one persistent compilation cache (tests/conftest.py), removed at
-# the end: a program the first pass compiled loads in the second, and the Ray actors' programs of the tiny RL runs
-# (compiled at XLA's default level, as the notebooks' are) load in the notebooks. The notebooks alone, run twice on
-# one cache folder: 138 s with it empty, 93 s with it filled.
+# Both passes share one persistent compilation cache (tests/conftest.py), removed at the end: a program the first
+# pass compiled loads in the second.
 TEST_WORKERS ?= 3
 
 # tests/run_pytest.py is pytest without the interpreter's native teardown, which once crashed after a passing session.
@@ -81,18 +79,16 @@ test: lint
 	export JAX_COMPILATION_CACHE_DIR="$$cache" \
 		JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="$${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0.2}" && \
 	$(BIN)/python tests/run_pytest.py -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" && \
-	$(BIN)/python tests/run_pytest.py -q -m serial && \
-	$(NOTEBOOK_TESTS)
+	$(BIN)/python tests/run_pytest.py -q -m serial
+	$(MAKE) test-notebooks
 
 # The research notebooks, each executed top to bottom in a fresh kernel (nbmake) within 4 minutes (pytest-timeout;
 # nbmake's own timeout is per cell), two at a time (0.86x the wall time of one at a time: 144 s against 168 s for
 # the three); they are stored without outputs. They run in a pytest of their own: a session
 # that loads tests/conftest.py fakes 8 CPU devices, and the kernels would inherit that (SmolLM2's training state
 # replicated 8 times in one process).
-NOTEBOOK_TESTS = $(BIN)/python -m pytest -q -n 2 --nbmake --nbmake-timeout=240 --timeout=240 notebooks
-
 test-notebooks: setup
-	$(NOTEBOOK_TESTS)
+	$(BIN)/python -m pytest -q -n 2 --nbmake --nbmake-timeout=240 --timeout=240 notebooks
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

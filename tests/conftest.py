@@ -37,7 +37,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # rollout engine) is loaded, not compiled again, by every later run that builds the same program. The key covers
 # the program, its shardings, the XLA flags and the backend, so a hit is the executable a compile would produce.
 # Programs that compile in under 0.2 s are not written (unit tests compile hundreds of those). `make test` gives its
-# two passes and its notebooks one cache of its own (Makefile), which this keeps.
+# two passes one cache of its own (Makefile), which this keeps.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
