@@ -382,6 +382,11 @@ def compile_cache_env(args) -> dict[str, str]:
     }
 
 
+def cached_programs(folder: str) -> int:
+    """How many entries the JAX compilation cache `folder` holds (0 where it does not exist)."""
+    return len(os.listdir(folder)) if os.path.isdir(folder) else 0
+
+
 def fill_compile_cache(args) -> dict:
     """`--compile-cache warm`: where `compile_cache_folder` holds no program yet, one run of ours with the same
     settings and a seed the comparison does not use fills it (its run folder is removed after, its log kept); a
@@ -389,7 +394,7 @@ def fill_compile_cache(args) -> dict:
     this script filled the folder (`<folder>.fill.json`, kept for later invocations), else `filled_by` None."""
     folder = compile_cache_folder(args)
     record = folder + ".fill.json"  # how this script filled it, kept for the summaries of later invocations
-    entries = len(os.listdir(folder)) if os.path.isdir(folder) else 0
+    entries = cached_programs(folder)
     if entries:
         print(f"compile cache {folder}: {entries} entries already, used as it is", file=sys.stderr, flush=True)
         filled = {"filled_by": None}
@@ -404,7 +409,7 @@ def fill_compile_cache(args) -> dict:
     run_child(args, "ours", seed, None, run_dir + ".log")
     seconds = time.perf_counter() - t0
     shutil.rmtree(run_dir, ignore_errors=True)  # its final checkpoint: a GB the comparison never reads
-    entries = len(os.listdir(folder)) if os.path.isdir(folder) else 0
+    entries = cached_programs(folder)
     if not entries:
         raise SystemExit(f"the filling run left no program in {folder}: JAX's compilation cache is not in use")
     print(f"compile cache {folder}: filled by ours, seed {seed}, in {seconds:.0f} s", file=sys.stderr, flush=True)
