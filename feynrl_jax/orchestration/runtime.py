@@ -12,10 +12,12 @@ trainer and the rollout workers to cores of their own (`pin_cpu_cores`), which l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
 
+import psutil
 import ray
 from ml_collections import ConfigDict
 
@@ -25,6 +27,13 @@ log = logging.getLogger(__name__)
 
 ACTOR_CPUS = {"trainer": 0.5, "rollout": 0.25, "reward": 0.1, "store": 0.05}
 """Logical CPUs each actor reserves (scheduling only; JAX and the reward pool use what the OS gives them)."""
+
+LOCAL_START_ATTEMPTS = 2
+"""How many times `start_ray` tries to start a local instance. Ray gives a new raylet a fixed 30 s to register with
+the GCS (`ray/_private/node.py`) and raises `START_TIMEOUT_MESSAGE` when it does not; an overloaded machine missed
+that once in CI (the same test passed alone). The attempt's processes are stopped before the next one."""
+
+START_TIMEOUT_MESSAGE = "The current node timed out during startup"
 
 DRIVER_OMP_THREADS = "FEYNRL_DRIVER_OMP_NUM_THREADS"
 """Carries the driver's `OMP_NUM_THREADS` ("" when unset) to the actors (`openmp_threads_from_cores`)."""
@@ -63,14 +72,57 @@ def start_ray(ray_cfg: ConfigDict) -> bool:
     # Ray also marks its workers as the kernel OOM killer's first victims (oom_score_adj 1000); on a shared
     # machine that picks the trainer whoever holds the memory. Leave the kernel's own choice.
     os.environ.setdefault("RAY_worker_oom_score_adjustment", "0")
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=ray_cfg.log_to_driver,
-        configure_logging=False,
-    )
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        before = {process.pid for process in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=ray_cfg.log_to_driver,
+                configure_logging=False,
+            )
+            break
+        except Exception as error:
+            if START_TIMEOUT_MESSAGE not in str(error) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            stopped = stop_processes_started_since(before)
+            log.warning(
+                "the local Ray instance timed out during start-up (%s); stopped the %d processes it had started and "
+                "starting it again (attempt %d of %d)",
+                error,
+                stopped,
+                attempt + 1,
+                LOCAL_START_ATTEMPTS,
+            )
     log.info("started a local Ray instance with %d CPUs", num_cpus)
     return True
+
+
+def stop_processes_started_since(before: set[int]) -> int:
+    """Stops this process's Ray descendants whose pids are not in `before` (SIGTERM, then SIGKILL after 5 s) and
+    reaps them; returns how many there were.
+
+    A `ray.init` that timed out leaves the GCS, the raylet and their helpers running: it raises from inside the
+    node's constructor, so no node is registered and `ray.shutdown` knows nothing to stop.
+    """
+    started = []
+    for process in psutil.Process().children(recursive=True):
+        if process.pid in before:
+            continue
+        try:
+            if "ray" in " ".join(process.cmdline()).lower():
+                started.append(process)
+        except psutil.Error:  # already gone
+            continue
+    for process in started:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(started, timeout=5)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return len(started)
 
 
 def listen_on_loopback_only() -> None:
