@@ -294,11 +294,7 @@ class NativeEngine:
         caps = self._check_request(prompts, sampling, max_new_tokens)
         n = sampling.n
         rows = [(p, s) for p in range(len(prompts)) for s in range(n)]
-        keys = np.asarray(
-            sampling_lib.row_keys(
-                sampling.seed, np.array([p for p, _ in rows], np.int32), np.array([s for _, s in rows], np.int32)
-            )
-        )
+        keys = sampling_lib.row_keys(sampling.seed, [p for p, _ in rows], [s for _, s in rows])
         stop_set = set(sampling.stop_token_ids)
         matcher = StopStringMatcher(sampling.stop_strings, self.detokenize) if sampling.stop_strings else None
         decode_args, decode_static = _decode_inputs(sampling)
@@ -413,8 +409,8 @@ class NativeEngine:
           - a real one-token generation of one dummy prompt per prefill bucket of these lengths, `sampling.n`
             samples each: prefill, the KV insertion and the other small programs, run once (it also touches the
             cache's memory once); with one sample per prompt, each of these buckets' batched prefill and its
-            insertion (`_batched_prefill_buckets`); the rows' sampling keys for the batch's row count; with stop
-            strings, the release of a slot;
+            insertion (`_batched_prefill_buckets`); the program of the rows' sampling keys (`sampling.row_keys`);
+            with stop strings, the release of a slot;
           - where the batch's tail can narrow (`narrow_tail`, see `_narrows`): the gathers from each width to
             each narrower one, each narrower width's dispatches (attend lengths as above) and, with stop strings,
             its slot release. `stop()` (say, a generation is waiting for the engine) ends the warm-up before
@@ -465,7 +461,7 @@ class NativeEngine:
             ks[0], vs[0] = self._insert_prefix(ks[0], vs[0], prefix, self._layer_indices[0], zero, zero)
             self._state = self._state._replace(cache=KVCache(k=tuple(ks), v=tuple(vs)))
         ids = np.zeros(rows, np.int32)
-        jax.block_until_ready(sampling_lib.row_keys(sampling.seed, ids, ids))
+        sampling_lib.row_keys(sampling.seed, ids, ids)  # its program: one for every row count up to its bucket
         if sampling.stop_strings:  # a stop string frees its slot (here none: every slot is free already)
             self._state = self._release(self._state, np.zeros(self.num_slots, bool))
         compiled, complete = len(attend), True

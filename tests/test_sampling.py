@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from feynrl_jax.rollout import sampling
@@ -113,6 +115,35 @@ def test_row_keys_depend_on_request_sample_and_step_only():
     assert not np.array_equal(np.asarray(s), np.asarray(a))
     other_seed = sampling.row_keys(6, jnp.array([0, 1, 2]), jnp.array([0, 0, 1]))
     assert not np.array_equal(np.asarray(other_seed), np.asarray(a))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    ids=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)), max_size=150),
+)
+def test_row_keys_are_each_rows_two_folds_of_the_seed_key(seed, ids):
+    """Bitwise the keys of folding each row on its own, whatever the row count and its padding."""
+    request_ids = np.array([r for r, _ in ids], np.uint32)
+    sample_ids = np.array([s for _, s in ids], np.uint32)
+    keys = sampling.row_keys(seed, request_ids, sample_ids)
+    assert keys.shape == (len(ids), 2) and keys.dtype == np.uint32
+    base = jax.random.PRNGKey(seed)
+    expected = [np.asarray(jax.random.fold_in(jax.random.fold_in(base, r), s)) for r, s in ids[:5]]
+    np.testing.assert_array_equal(keys[:5], np.array(expected, np.uint32).reshape(-1, 2))
+    if ids:  # the rest, checked against the per-row folds batched (the same function of each row's ids)
+        fold = jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(base, r), s))
+        np.testing.assert_array_equal(keys, np.asarray(fold(jnp.asarray(request_ids), jnp.asarray(sample_ids))))
+
+
+def test_row_keys_compile_one_program_for_every_row_count_up_to_the_bucket():
+    sampling.row_keys(0, np.arange(3), np.zeros(3, np.int32))
+    before = sampling._fold_rows._cache_size()
+    for rows in (1, 8, 32, 63, sampling.ROW_KEY_BUCKET):
+        sampling.row_keys(rows, np.arange(rows), np.arange(rows))
+    assert sampling._fold_rows._cache_size() == before
+    sampling.row_keys(0, np.arange(sampling.ROW_KEY_BUCKET + 1), np.zeros(sampling.ROW_KEY_BUCKET + 1, np.int32))
+    assert sampling._fold_rows._cache_size() == before + 1  # the next power of two
 
 
 @pytest.mark.parametrize(
