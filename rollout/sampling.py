@@ -41,7 +41,7 @@ def row_keys(seed: int, request_ids: Sequence[int] | np.ndarray, sample_ids: Seq
 
     The rows are padded to `ROW_KEY_BUCKET` (or the power of two above) and folded by one jitted program, so an
     engine compiles it once, not once per batch size: folded eagerly, the two `fold_in`s of every new row count
-    were two programs compiled in the middle of a generation (six in a demo run, each taking 0.6-2 s on 2 busy
+    were two programs compiled in the middle of a generation (six in a demo run, each taking 0.6-5.7 s on 2 busy
     cores). Each row's key depends on its own ids only, so the padding changes no key.
 
     Args:
