@@ -25,10 +25,10 @@ def decode_dispatch(
     temperature: jax.Array,
     top_p: jax.Array,
     min_new_tokens: jax.Array,
+    greedy: bool | jax.Array = False,
     *,
     config: ModelConfig,
     steps: int,
-    greedy: bool,
     top_k: int,
     use_top_p: bool,
     attend_len: int | None = None,
@@ -41,9 +41,11 @@ def decode_dispatch(
       state: the decode state.
       stop_token_ids: `[S]` int32 (may be empty); sampling one finishes the sequence with reason "stop".
       temperature, top_p, min_new_tokens: scalars (traced: changing them does not recompile).
+      greedy: take the argmax; a Python bool (static) or a traced bool scalar, with which greedy and sampled
+        requests run one program (see `sampling.sample`).
       config: model config.
       steps: decode steps per dispatch.
-      greedy, top_k, use_top_p: sampling mode (see `sampling.sample`).
+      top_k, use_top_p: static sampling mode (see `sampling.sample`).
       attend_len: attend to the first `attend_len` cache positions only; every active slot must stay below it
         during the dispatch (position + steps <= attend_len). None: the whole cache.
 

@@ -93,6 +93,12 @@ class NativeEngine:
         `param_shardings` on a mesh: the cache's heads axis sharded as the K projection's heads axis, the rest
         replicated (`_cache_sharding_like`).
       policy_version: version of `params`.
+      traced_greedy: `SamplingParams.greedy` is a traced input of the decode dispatch instead of a static one, and a
+        greedy request takes the static sampling mode of top-k and top-p off (`_decode_inputs`): for an engine that
+        serves greedy evaluations and sampled rollouts alike (a colocated run's, `rollout.colocate`), whose two
+        then run one set of decode programs instead of compiling one each. Each program then holds both branches
+        (a `lax.cond` in `sampling.sample`), so an engine that only ever gets one kind compiles more for nothing:
+        `benchmarks/bench_greedy_dispatch.py`.
 
     Attributes:
       last_stats: figures of the last `generate` call (tokens, dispatches, prefills, seconds).
@@ -114,6 +120,7 @@ class NativeEngine:
         param_shardings: Any = None,
         cache_sharding: jax.sharding.Sharding | None = None,
         policy_version: int = 0,
+        traced_greedy: bool = False,
     ):
         for name, value, low in (
             ("num_slots", num_slots, 1),
@@ -204,9 +211,9 @@ class NativeEngine:
             )
             return constrain(state), *outputs
 
-        self._decode = jax.jit(
-            dispatch, static_argnames=("greedy", "top_k", "use_top_p", "attend_len"), donate_argnums=1
-        )
+        self.traced_greedy = traced_greedy
+        static_names = ("top_k", "use_top_p", "attend_len") + (() if traced_greedy else ("greedy",))
+        self._decode = jax.jit(dispatch, static_argnames=static_names, donate_argnums=1)
         self._state = self._init_state()
         self.load_params(params, policy_version)
 
@@ -297,7 +304,7 @@ class NativeEngine:
         keys = sampling_lib.row_keys(sampling.seed, [p for p, _ in rows], [s for _, s in rows])
         stop_set = set(sampling.stop_token_ids)
         matcher = StopStringMatcher(sampling.stop_strings, self.detokenize) if sampling.stop_strings else None
-        decode_args, decode_static = _decode_inputs(sampling)
+        decode_args, decode_static = _decode_inputs(sampling, self.traced_greedy)
 
         out_tokens: list[list[int]] = [[] for _ in rows]
         out_logprobs: list[list[float]] = [[] for _ in rows]
@@ -549,7 +556,7 @@ class NativeEngine:
     def _compile_dispatch(self, state: DecodeState, sampling: SamplingParams, attend_len: int) -> None:
         """Compiles the decode dispatch for `state`'s width, `sampling` and `attend_len` (`lower().compile()`,
         which fills the jit's cache; nothing runs)."""
-        decode_args, decode_static = _decode_inputs(sampling)
+        decode_args, decode_static = _decode_inputs(sampling, self.traced_greedy)
         self._decode.lower(self._params, state, *decode_args, **decode_static, attend_len=attend_len).compile()
 
     def _batched_prefill_buckets(self, prompt_lengths: Sequence[int], n: int) -> list[int]:
@@ -732,9 +739,14 @@ class NativeEngine:
 _MIN_ATTEND_LEN = 128
 
 
-def _decode_inputs(sampling: SamplingParams) -> tuple[tuple, dict[str, Any]]:
+def _decode_inputs(sampling: SamplingParams, traced_greedy: bool = False) -> tuple[tuple, dict[str, Any]]:
     """The decode dispatch's traced sampling inputs (stop ids, temperature, top-p, minimum length) and its static
-    ones (greedy, top-k, top-p on)."""
+    ones (greedy, top-k, top-p on).
+
+    `traced_greedy`: greedy is a traced input instead (a bool scalar after the others), and a greedy request has the
+    statics of sampling at top-k and top-p off, so that it runs the programs of a sampled request at the defaults (a
+    `lax.cond` in `sampling.sample` picks the branch; see `NativeEngine`'s `traced_greedy`).
+    """
     args = (
         jnp.asarray(np.array(sampling.stop_token_ids, np.int32).reshape(-1)),
         jnp.float32(sampling.temperature),
@@ -742,11 +754,12 @@ def _decode_inputs(sampling: SamplingParams) -> tuple[tuple, dict[str, Any]]:
         jnp.int32(sampling.min_new_tokens),
     )
     static = dict(
-        greedy=sampling.greedy,
         top_k=0 if sampling.greedy else sampling.top_k,
         use_top_p=(not sampling.greedy) and sampling.top_p < 1.0,
     )
-    return args, static
+    if traced_greedy:
+        return (*args, jnp.bool_(sampling.greedy)), static
+    return args, static | {"greedy": sampling.greedy}
 
 
 @dataclasses.dataclass

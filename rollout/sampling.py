@@ -23,6 +23,7 @@ lands in and whatever runs beside it, which keeps continuous batching determinis
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -165,7 +166,7 @@ def sample(
     top_k: int = 0,
     top_p: float | jax.Array = 1.0,
     use_top_p: bool | None = None,
-    greedy: bool = False,
+    greedy: bool | jax.Array = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row and returns its log-probability under the exact sampling distribution.
 
@@ -176,7 +177,8 @@ def sample(
       top_k: static; keep the k most likely tokens, 0 = off.
       top_p: scalar in (0, 1] (may be traced); nucleus mass.
       use_top_p: static; whether to apply top-p. Defaults to `top_p < 1` (then `top_p` must be a Python float).
-      greedy: static; take the argmax.
+      greedy: take the argmax. A Python bool is static; a traced bool scalar compiles both ways into one program
+        and runs the one it says (`lax.cond`), so that greedy and sampled requests share their programs.
 
     Returns:
       tokens: `[B]` int32.
@@ -185,11 +187,23 @@ def sample(
     if use_top_p is None:
         use_top_p = float(top_p) < 1.0
     scaled = logits.astype(jnp.float32) / temperature
-    if greedy:
-        tokens = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
-        logq = jax.nn.log_softmax(scaled, axis=-1)
-        return tokens, jnp.take_along_axis(logq, tokens[:, None], axis=-1)[:, 0]
+    if isinstance(greedy, bool):
+        return _argmax(scaled) if greedy else _draw(scaled, keys, top_k, top_p, use_top_p)
+    draw = functools.partial(_draw, top_k=top_k, top_p=top_p, use_top_p=use_top_p)
+    return jax.lax.cond(greedy, lambda scaled, _: _argmax(scaled), draw, scaled, keys)
 
+
+def _argmax(scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Greedy: the argmax of `[B, V]` tempered logits and its log-probability under their softmax."""
+    tokens = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+    logq = jax.nn.log_softmax(scaled, axis=-1)
+    return tokens, jnp.take_along_axis(logq, tokens[:, None], axis=-1)[:, 0]
+
+
+def _draw(
+    scaled: jax.Array, keys: jax.Array, top_k: int, top_p: float | jax.Array, use_top_p: bool
+) -> tuple[jax.Array, jax.Array]:
+    """A draw from `[B, V]` tempered logits truncated by top-k and top-p, and its log q (see `sample`)."""
     uniforms = jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(keys)
     if top_k and top_k < scaled.shape[-1]:
         values, ids = jax.lax.top_k(scaled, top_k)
@@ -199,7 +213,8 @@ def sample(
         return jnp.take_along_axis(ids, index[:, None], axis=-1)[:, 0].astype(jnp.int32), logq
     if use_top_p:
         scaled = _top_p_mask(scaled, top_p)
-    return _sample_from_logits(scaled, uniforms)
+    index, logq = _sample_from_logits(scaled, uniforms)
+    return index.astype(jnp.int32), logq
 
 
 def sampling_distribution(

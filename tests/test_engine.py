@@ -183,6 +183,32 @@ def test_changing_sampling_scalars_does_not_recompile(engine):
     assert engine._decode._cache_size() == before
 
 
+@pytest.mark.parametrize("traced_greedy", [False, True])
+def test_traced_greedy_runs_the_decode_programs_of_a_sampled_request(params, traced_greedy):
+    """`traced_greedy`: after a sampled batch, a greedy batch of the same shapes compiles no decode program (without
+    it, one of its own), and either way each of its tokens is the argmax of the training code's logits over the
+    prefix."""
+    engine = NativeEngine(
+        CONFIG, params, num_slots=SLOTS, cache_len=48, decode_steps_per_dispatch=4, traced_greedy=traced_greedy
+    )
+    engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, seed=2))
+    compiled, rollouts = _compiled_during(
+        lambda: engine.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=10))
+    )
+    assert ("jit(dispatch)" in compiled) != traced_greedy, compiled
+    tokens, positions, segment_ids = _sequences(rollouts)
+    hidden, _ = forward(params, tokens, positions, config=CONFIG, segment_ids=segment_ids)
+    scores = np.asarray(logits(params, hidden, config=CONFIG), np.float64)
+    for i in range(len(PROMPTS)):
+        start, length = rollouts.prompt_lengths[i], rollouts.completion_lengths[i]
+        predicted = scores[i, start - 1 : start + length - 1]  # the logits each completion token was chosen from
+        top2 = np.sort(predicted, axis=-1)[:, -2:]
+        assert np.all(top2[:, 1] - top2[:, 0] > 1e-3), "a near-tie: pick other prompts"  # float32 vs float32 paths
+        np.testing.assert_array_equal(rollouts.completion_ids[i, :length], predicted.argmax(-1))
+    for i, ref in enumerate(_trainer_logprobs(params, rollouts, 1.0)):
+        np.testing.assert_allclose(rollouts.behavior_logprobs[i, : len(ref)], ref, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize(
     "prompts, kwargs, match",
     [

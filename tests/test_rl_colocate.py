@@ -4,9 +4,11 @@
   seeds), and publishes no arrays (`perf/publish_bytes` 0, nothing fetched): the key is honoured.
 - Its engine (`EngineHost` fed the trainer's params) samples what a fresh engine holding those params samples, frees
   its copy of the params and its KV cache after every generation, and refuses a version the trainer does not hold.
+  The trainer's held-out evaluation runs on it (`ColocatedEngine`), with the decode programs its rollouts compiled.
 - Every setting a colocated engine cannot honour is refused, naming its key.
 """
 
+import json
 import os
 import sys
 
@@ -26,7 +28,7 @@ import tiny_rl  # noqa: E402
 def _config(run_dir: str, colocate: bool):
     config = tiny_rl.get_config()
     config.run_dir = run_dir
-    config.eval.during_training = False
+    config.eval.temperature, config.eval.n_samples, config.eval.k = 0.0, 1, (1,)  # greedy, before and after
     config.checkpoint.every_steps = 0
     config.rollout.colocate = colocate
     return config
@@ -42,7 +44,7 @@ def test_a_colocated_run_trains_bitwise_as_a_run_with_a_rollout_worker(ray_sessi
         config = _config(str(tmp_path / f"colocate_{colocate}"), colocate)
         rl_loop.run(config)
         runs[colocate] = config.run_dir
-    worker, colocated = (read_metrics(runs[c]) for c in (False, True))
+    worker, colocated = ([r for r in read_metrics(runs[c]) if "train/loss" in r] for c in (False, True))
     assert_loop_records(runs[True], "grpo")
     for key in (
         "train/loss",
@@ -55,6 +57,17 @@ def test_a_colocated_run_trains_bitwise_as_a_run_with_a_rollout_worker(ray_sessi
     ):
         assert [r[key] for r in colocated] == [r[key] for r in worker], key
     harness.assert_same_final_state(runs[False], runs[True], total_steps=2)
+    # The colocated run evaluated on its rollout engine, the other on an engine of the trainer's own; the same
+    # params before training, so the same greedy completions.
+    for colocate, engine in ((False, "NativeEngine"), (True, "ColocatedEngine")):
+        for step in (0, 2):
+            with open(os.path.join(runs[colocate], f"eval_results_step{step}.json")) as f:
+                assert json.load(f)["engine"] == engine, (colocate, step)
+    with (
+        open(os.path.join(runs[False], "eval_results_step0.json")) as f,
+        open(os.path.join(runs[True], "eval_results_step0.json")) as g,
+    ):
+        assert [s["completion"] for s in json.load(f)["samples"]] == [s["completion"] for s in json.load(g)["samples"]]
     # Honoured: the worker run published its params through the object store and fetched them; the colocated run
     # published no arrays and fetched nothing, its engine loading the trainer's params on the trainer's device.
     assert all(r["perf/publish_bytes"] > 0 and r["perf/weight_sync_fetch_seconds"] > 0 for r in worker)
@@ -78,7 +91,7 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
 
     from feynrl_jax.checkpoints import smollm2_checkpoint_dir
     from feynrl_jax.models import ModelConfig, init_params
-    from feynrl_jax.orchestration.actors import ParamsSnapshot
+    from feynrl_jax.orchestration.actors import ColocatedEngine, ParamsSnapshot
     from feynrl_jax.orchestration.engine_host import EngineHost
     from feynrl_jax.orchestration.engines import EngineSpec, build_native
     from feynrl_jax.orchestration.param_store import StoreError
@@ -134,6 +147,19 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
         assert not again, again
         # Freed: no params, no decode state (KV cache); the next generation loads again.
         assert host.engine._params is None and host.engine._state is None and host.version == -1
+    # The trainer's held-out evaluation (greedy) on this engine (`ColocatedEngine`) runs the programs the warm-up
+    # and the sampled rollouts compiled (`greedy` traced), and picks what an engine of its own picks.
+    evaluation = ColocatedEngine(host, lambda: held["version"])
+    evaluation.load_params(None, 7)  # the evaluator's step: the host loads the trainer's version itself
+    greedy = SamplingParams(greedy=True, max_new_tokens=6)
+    compiled_before = len(host.clock.names())
+    got = evaluation.generate(prompts, greedy)
+    assert "jit(dispatch)" not in host.clock.names()[compiled_before:]
+    want = build_native(spec, model, jax.device_get(versions[4]), 4).generate(prompts, greedy)
+    np.testing.assert_array_equal(got.completion_ids, want.completion_ids)
+    # The same float32 model code; the sampling step sits in a `lax.cond`, which may fuse otherwise.
+    np.testing.assert_allclose(got.behavior_logprobs, want.behavior_logprobs, atol=1e-5, rtol=0)
+    assert set(got.policy_version.tolist()) == {4} and host.engine._params is None
     with pytest.raises(StoreError, match="asked for 3, holding 4"):
         host.generate(prompts, sampling, snapshot(3))
     with pytest.raises(ValueError, match="exactly one of fetch"):

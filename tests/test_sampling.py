@@ -106,6 +106,33 @@ def test_masked_tokens_are_never_sampled_and_logprob_is_renormalised():
     np.testing.assert_allclose(logprobs[0::2], np.log(target[tokens[0::2]]), atol=2e-6)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    temperature=st.sampled_from([0.3, 1.0, 1.7]),
+    top_k=st.sampled_from([0, 3, 20]),
+    top_p=st.sampled_from([1.0, 0.9, 0.4]),
+)
+def test_greedy_traced_takes_the_branch_it_says_bit_for_bit(seed, temperature, top_k, top_p):
+    """`greedy` traced (one program for both) returns exactly what the static `greedy` returns, either way."""
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.normal(scale=3.0, size=(5, 40)).astype(np.float32))
+    keys = jnp.asarray(sampling.row_keys(seed, np.arange(5), np.zeros(5, np.int32)))
+    statics = dict(top_k=top_k, use_top_p=top_p < 1.0)
+    traced = jax.jit(
+        lambda logits, keys, t, p, greedy: sampling.sample(
+            logits, keys, temperature=t, top_p=p, greedy=greedy, **statics
+        )
+    )
+    for greedy in (True, False):
+        expected = sampling.sample(logits, keys, temperature=temperature, top_p=top_p, greedy=greedy, **statics)
+        got = traced(logits, keys, jnp.float32(temperature), jnp.float32(top_p), jnp.bool_(greedy))
+        for g, e in zip(got, expected, strict=True):
+            assert g.dtype == e.dtype
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+    assert traced._cache_size() == 1
+
+
 def test_row_keys_depend_on_request_sample_and_step_only():
     a = sampling.row_keys(5, jnp.array([0, 1, 2]), jnp.array([0, 0, 1]))
     b = sampling.row_keys(5, jnp.array([2, 0]), jnp.array([1, 0]))  # same sequences, other slots

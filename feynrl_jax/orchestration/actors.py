@@ -516,6 +516,22 @@ class TrainerActor:
         return sorted(os.sched_getaffinity(0))
 
     def evaluate(self, step: int) -> dict[str, float]:
+        """`RLTrainer.evaluate`; with a colocated engine (`rollout.colocate`) on that engine (`ColocatedEngine`),
+        whose warm-up and rollouts have compiled the programs an evaluation of its shapes runs, instead of a second
+        engine compiling its own."""
+        if self.rollout is not None and self.trainer.evaluator is None:
+            from feynrl_jax.eval.evaluate import evaluator_from_config
+            from feynrl_jax.train.sft_loop import train_prompts
+
+            self.trainer.evaluator = evaluator_from_config(
+                self.config,
+                self.trainer.model_config,
+                None,
+                self.trainer.tokenizer,
+                engine=ColocatedEngine(self.rollout, lambda: self.trainer.policy_version),
+                exclude_prompts=train_prompts(self.config),
+                results_dir=self.config.run_dir,
+            )
         return self.trainer.evaluate(step)
 
     def final_params(self) -> Any:
@@ -523,3 +539,22 @@ class TrainerActor:
 
     def close(self) -> None:
         self.trainer.close()
+
+
+class ColocatedEngine:
+    """A colocated rollout engine (`EngineHost` with `local_params`) as a `RolloutEngine` for the trainer's held-out
+    evaluation: each `generate` loads the trainer's current params (`version()`, the version the trainer holds) and
+    frees them after, as a rollout does. `load_params` takes the evaluator's params and step and keeps nothing: the
+    host loads the trainer's own (a LoRA policy's base and adapters, as its rollouts run them).
+    """
+
+    def __init__(self, host: EngineHost, version: Any):
+        self.host, self.version = host, version
+
+    def load_params(self, params: Any, version: int) -> None:
+        del params, version  # the host takes the trainer's current params itself
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Any) -> Any:
+        snapshot = ParamsSnapshot(version=self.version(), refs={}, checksum=0)  # a colocated publish's record
+        rollouts, _ = self.host.generate(prompts, sampling, snapshot)
+        return rollouts

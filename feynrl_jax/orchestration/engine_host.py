@@ -160,14 +160,17 @@ class EngineHost:
         """A native engine holding `params`. A colocated one places them (and its decode state) on a one-device mesh
         of this process's first device: the trainer's params arrive placed on the trainer's mesh, and an engine whose
         arrays were placed now one way, now another, would compile its programs again for each (the warm-up's
-        placeholder weights come from host memory)."""
-        placement = {}
+        placeholder weights come from host memory). A colocated one also runs the trainer's held-out evaluation
+        (greedy, `actors.ColocatedEngine`) beside its sampled rollouts, so it takes `greedy` traced
+        (`NativeEngine`'s `traced_greedy`): both run one set of decode programs."""
+        kwargs = {}
         if self.local_params is not None:
             import jax
 
             mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("rollout",))
-            placement["param_shardings"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        return build_native(self.spec, self.model_config, params, version, detokenize=self.detokenize, **placement)
+            kwargs["param_shardings"] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            kwargs["traced_greedy"] = True
+        return build_native(self.spec, self.model_config, params, version, detokenize=self.detokenize, **kwargs)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Token ids to text (stop strings)."""

@@ -179,7 +179,8 @@ def build_vllm(spec: EngineSpec, model_config: Any = None) -> Any:
 
 
 def build_native(spec: EngineSpec, model_config: Any, params: Any, version: int, **kwargs: Any) -> Any:
-    """A `NativeEngine` of `spec` holding `params` as `version` (kwargs: `detokenize`, `param_shardings`)."""
+    """A `NativeEngine` of `spec` holding `params` as `version` (kwargs: `detokenize`, `param_shardings`,
+    `traced_greedy`)."""
     from feynrl_jax.rollout.native_engine import NativeEngine
 
     return NativeEngine(

@@ -540,9 +540,10 @@ class _Run:
     def evaluate(self, step: int) -> dict[str, float]:
         """`eval/` metrics of the newest published params.
 
-        Native engine: the trainer evaluates its own params on a native engine of its own. vLLM: the rollout
-        workers generate (the evaluation runs on the engine that samples the rollouts; no second vLLM engine),
-        the driver scores with `eval.reward` and writes the samples to `eval_results_step<step>.json`.
+        Native engine: the trainer evaluates its own params, on a native engine of its own, or with
+        `rollout.colocate` on the rollout engine it holds (`actors.ColocatedEngine`). vLLM: the rollout workers
+        generate (the evaluation runs on the engine that samples the rollouts; no second vLLM engine), the driver
+        scores with `eval.reward` and writes the samples to `eval_results_step<step>.json`.
         """
         t0 = time.perf_counter()
         if self.engine_spec.kind == "native":
