@@ -175,6 +175,7 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
         ("rollout.cpu_cores", (0,)),
         ("ray.gpus_per_rollout_worker", 1),
         ("ray.trainer_processes", 2),
+        ("eval.release_memory", False),
     ],
 )
 def test_settings_a_colocated_engine_cannot_honour_are_refused_by_name(key, value):

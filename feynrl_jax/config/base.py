@@ -234,7 +234,8 @@ def base_config() -> ConfigDict:
     config.eval.success_threshold = 1.0  # A sample is correct when its reward >= this (empty: always wrong).
     # The native evaluation engine frees its copy of the params and its KV cache after each evaluation (its compiled
     # programs stay), so the trainer's updates between evaluations reuse that memory; False keeps them held. A vLLM
-    # engine (rollout.engine="vllm") keeps what it reserved at start-up either way, as False asks.
+    # engine (rollout.engine="vllm") keeps what it reserved at start-up either way, as False asks. A colocated run
+    # (rollout.colocate) evaluates on its rollout engine, which frees them after every generation: False is refused.
     config.eval.release_memory = True
 
     config.ray = ConfigDict()

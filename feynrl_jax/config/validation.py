@@ -474,6 +474,12 @@ def _check_colocate(config, bad):
         ("rollout.cpu_cores", bool(rollout.cpu_cores), "the engine runs on train.cpu_cores: leave it empty"),
         ("ray.gpus_per_rollout_worker", config.ray.gpus_per_rollout_worker > 0, "it uses the trainer's devices"),
         ("ray.trainer_processes", config.ray.trainer_processes > 1, "it needs a trainer of one process"),
+        (
+            "eval.release_memory",
+            not config.eval.release_memory,
+            "the held-out evaluation runs on that engine, which frees its params and KV cache after every generation "
+            "for the update to reuse",
+        ),
     )
     for key, conflict, reason in conflicts:
         if conflict:
