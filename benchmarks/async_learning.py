@@ -39,6 +39,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -248,7 +249,8 @@ def plot_curves(
         ax.plot(seconds, accuracy, color=line_colour, drawstyle="steps-post", linewidth=3, alpha=0.45, label=name)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    # A long title on two lines, not cut off at the figure's edges (names such as feynrl-jax kept whole).
+    ax.set_title(textwrap.fill(title, 60, break_on_hyphens=False))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
