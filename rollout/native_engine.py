@@ -98,7 +98,8 @@ class NativeEngine:
         serves greedy evaluations and sampled rollouts alike (a colocated run's, `rollout.colocate`), whose two
         then run one set of decode programs instead of compiling one each. Each program then holds both branches
         (a `lax.cond` in `sampling.sample`), so an engine that only ever gets one kind compiles more for nothing:
-        `benchmarks/bench_greedy_dispatch.py`.
+        `benchmarks/bench_greedy_dispatch.py`. At a temperature other than 1 its sampled log-probs may be a float32
+        rounding apart from a static program's (`tests/test_sampling.py`).
 
     Attributes:
       last_stats: figures of the last `generate` call (tokens, dispatches, prefills, seconds).

@@ -1,7 +1,8 @@
 """`rollout.colocate`: the rollout engine inside the trainer's process.
 
 - A colocated sync run trains bitwise as the same run with a rollout worker does (the same engine code, params and
-  seeds), and publishes no arrays (`perf/publish_bytes` 0, nothing fetched): the key is honoured.
+  seeds; at temperature 1, the config's: see `test_sampling.test_greedy_traced_takes_the_branch_it_says`), and
+  publishes no arrays (`perf/publish_bytes` 0, nothing fetched): the key is honoured.
 - Its engine (`EngineHost` fed the trainer's params) samples what a fresh engine holding those params samples, frees
   its copy of the params and its KV cache after every generation, and refuses a version the trainer does not hold.
   The trainer's held-out evaluation runs on it (`ColocatedEngine`), with the decode programs its rollouts compiled.

