@@ -25,9 +25,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+from bench_report import alternate_sides
 
 SIDES = ("all_layers", "per_layer")
 
@@ -151,16 +151,9 @@ def main() -> None:
         print(json.dumps(measure(args.side, args.generate)))
         return
 
-    runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
-    for _ in range(args.rounds):
-        for side in SIDES:
-            command = [sys.executable, __file__, "--side", side] + (["--generate"] if args.generate else [])
-            # No persistent compilation cache: every round compiles, as a first run does.
-            env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false", JAX_COMPILATION_CACHE_DIR="")
-            done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-            if done.returncode:
-                sys.exit(f"side {side} failed:\n{done.stderr[-3000:]}")
-            runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    # No persistent compilation cache: every round compiles, as a first run does.
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false", JAX_COMPILATION_CACHE_DIR="")
+    runs = alternate_sides(__file__, SIDES, args.rounds, ["--generate"] if args.generate else [], env=env)
     print(f"{'operation':24s} {'all layers':>12s} {'per layer':>12s} {'all / per':>10s}   (seconds, median of rounds)")
     for key in runs["all_layers"][0]:
         old = statistics.median(r[key] for r in runs["all_layers"])

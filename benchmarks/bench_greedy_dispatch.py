@@ -26,9 +26,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+from bench_report import alternate_sides
 
 SIDES = ("static", "traced")
 
@@ -85,13 +85,7 @@ def main() -> None:
     if args.side:
         print(json.dumps(measure(args.side, args.greedy_alone)))
         return
-    results = {side: [] for side in SIDES}
-    for _ in range(args.rounds):
-        for side in SIDES:
-            command = [sys.executable, __file__, "--side", side] + (["--greedy-alone"] if args.greedy_alone else [])
-            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-            results[side].append(json.loads(out.strip().splitlines()[-1]))
-            print(side, results[side][-1], file=sys.stderr, flush=True)
+    results = alternate_sides(__file__, SIDES, args.rounds, ["--greedy-alone"] if args.greedy_alone else [])
     digests = {r["tokens_digest"] for side in SIDES for r in results[side]}
     if len(digests) != 1:
         raise SystemExit(f"the two sides' tokens differ: {digests}")

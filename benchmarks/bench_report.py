@@ -1,9 +1,31 @@
-"""The summary of a benchmark that runs two sides several times: medians per side, their ratio, and a JSON file."""
+"""Benchmarks that run two sides several times: each side in a fresh process, the sides alternating
+(`alternate_sides`), and the summary: medians per side, their ratio, and a JSON file (`report_sides`)."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+
+def alternate_sides(
+    script: str, sides: Sequence[str], rounds: int, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> dict[str, list[dict]]:
+    """Runs `python script --side <side> *args` in a fresh process for each side in turn, `rounds` times (so a change
+    of the machine's speed weighs on every side), and returns each side's results: the JSON object its last line of
+    output printed, one per round. A side that fails stops the benchmark with the end of its stderr."""
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    for _ in range(rounds):
+        for side in sides:
+            command = [sys.executable, script, "--side", side, *args]
+            done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+            if done.returncode:
+                sys.exit(f"side {side} failed:\n{done.stderr[-3000:]}")
+            results[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(side, results[side][-1], file=sys.stderr, flush=True)
+    return results
 
 
 def report_sides(

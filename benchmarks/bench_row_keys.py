@@ -19,9 +19,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
+
+from bench_report import alternate_sides
 
 SIDES = ("eager", "bucketed")
 
@@ -75,12 +75,7 @@ def main() -> None:
     if args.side:
         print(json.dumps(measure(args.side, args.rows)))
         return
-    results = {side: [] for side in SIDES}
-    for _ in range(args.rounds):
-        for side in SIDES:
-            command = [sys.executable, __file__, "--side", side, "--rows", *map(str, args.rows)]
-            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-            results[side].append(json.loads(out.strip().splitlines()[-1]))
+    results = alternate_sides(__file__, SIDES, args.rounds, ["--rows", *map(str, args.rows)])
     digests = {r["keys_digest"] for side in SIDES for r in results[side]}
     if len(digests) != 1:
         raise SystemExit(f"the two sides' keys differ: {digests}")
