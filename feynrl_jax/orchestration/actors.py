@@ -520,18 +520,11 @@ class TrainerActor:
         whose warm-up and rollouts have compiled the programs an evaluation of its shapes runs, instead of a second
         engine compiling its own."""
         if self.rollout is not None and self.trainer.evaluator is None:
-            from feynrl_jax.eval.evaluate import evaluator_from_config
-            from feynrl_jax.train.sft_loop import train_prompts
+            from feynrl_jax.train.sft_loop import evaluation_on
 
-            self.trainer.evaluator = evaluator_from_config(
-                self.config,
-                self.trainer.model_config,
-                None,
-                self.trainer.tokenizer,
-                engine=ColocatedEngine(self.rollout, lambda: self.trainer.policy_version),
-                exclude_prompts=train_prompts(self.config),
-                results_dir=self.config.run_dir,
-            )
+            trainer = self.trainer
+            engine = ColocatedEngine(self.rollout, lambda: trainer.policy_version)
+            trainer.evaluator = evaluation_on(engine, self.config, trainer.model_config, trainer.tokenizer)
         return self.trainer.evaluate(step)
 
     def final_params(self) -> Any:

@@ -550,18 +550,9 @@ class _Run:
             metrics = self.on_trainer("evaluate", step)
         else:
             if self.evaluator is None:
-                from feynrl_jax.eval.evaluate import evaluator_from_config
-                from feynrl_jax.train.sft_loop import train_prompts
+                from feynrl_jax.train.sft_loop import evaluation_on
 
-                self.evaluator = evaluator_from_config(
-                    self.config,
-                    self.model_config,
-                    None,
-                    self.tokenizer,
-                    engine=WorkersEngine(self),
-                    exclude_prompts=train_prompts(self.config),
-                    results_dir=self.config.run_dir,
-                )
+                self.evaluator = evaluation_on(WorkersEngine(self), self.config, self.model_config, self.tokenizer)
             metrics = self.evaluator(self.snapshot(), step)
         return {**metrics, "perf/eval_seconds": time.perf_counter() - t0}
 

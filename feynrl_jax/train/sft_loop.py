@@ -67,6 +67,21 @@ class GenerationOnPrimary:
             self.evaluator.close()
 
 
+def evaluation_on(engine: Any, config: ConfigDict, model_config: ModelConfig, tokenizer: Any) -> GenerationEvaluator:
+    """The held-out generation evaluation (`config.eval`, the training prompts left out, samples written to
+    `<run_dir>/eval_results_step<N>.json`) on an engine the run already holds: an RL run's rollout engines (vLLM's
+    workers, or a colocated native engine), which load the params they generate with themselves."""
+    return evaluator_from_config(
+        config,
+        model_config,
+        None,
+        tokenizer,
+        engine=engine,
+        exclude_prompts=train_prompts(config),
+        results_dir=config.run_dir,
+    )
+
+
 def generation_evaluation(
     config: ConfigDict, model_config: ModelConfig, tokenizer: Any, *, param_shardings: Any
 ) -> GenerationOnPrimary:
