@@ -1,14 +1,18 @@
-"""A bfloat16 forward+backward step of ours with and without each of two changes, against PyTorch bf16 autocast.
+"""A bfloat16 forward+backward step of ours with and without each of three changes, against PyTorch bf16 autocast.
 
-The two changes (issue #18, a bf16 train step at 1.2x PyTorch where the CPU has AMX):
+The three changes (issue #18, a bf16 train step at 1.2x PyTorch where the CPU has AMX):
 - the elementwise chains between the products (RoPE, RMSNorm, the MLP's silu(gate) * up) computed in float32 and
   rounded once (`rope.apply_rope`, `decoder.rms_norm`, `decoder.gated`), against the same computed in bfloat16 with
   every operation rounded (the code before; kept here as `*_rounded_per_op`);
 - the kernel's bf16 products with a bf16 result on PyTorch's oneDNN 3.12 through ATen
-  (`feynrl_jax/kernels/aten_matmul.cc`), against the kernel's own oneDNN 3.2 (`onednn.use_aten_products`).
+  (`feynrl_jax/kernels/aten_matmul.cc`), against the kernel's own oneDNN 3.2 (`onednn.use_aten_products`);
+- the float32 projection kernels cast inside their products, whose weight gradients the kernel then writes in
+  float32 (`onednn.dot_cast`, `decoder._kernels_cast_in_products`), against the kernels cast to bfloat16 before the
+  layers and their gradients rounded to bfloat16 in every layer (the code before; the variant marked "weight
+  gradients in bf16", on the default float32 chains and PyTorch's oneDNN only).
 
 Everything runs in this process, on the model and batch of `bench_model_fwd_bwd.py` (SmolLM2-135M, 8 x 256 tokens,
-float32 weights, bfloat16 products, `model.cpu_matmul="onednn"`, `model.remat="auto"`): each of our four variants
+float32 weights, bfloat16 products, `model.cpu_matmul="onednn"`, `model.remat="auto"`): each of our five variants
 compiled once, then `--rounds` rounds in which every variant and PyTorch (float32 weights under
 `torch.autocast("cpu", dtype=torch.bfloat16)`, the transformers model) take one timed step each after one untimed
 step, in turns, so a change of the machine's speed weighs on all. Prints and writes (`--json`) the median seconds per
@@ -68,13 +72,16 @@ PER_OP = {"apply_rope": rope_rounded_per_op, "rms_norm": rms_norm_rounded_per_op
 """The decoder's functions as they were, by name."""
 
 
-def compiled_step(params, config, tokens, positions, per_op: bool):
+def compiled_step(params, config, tokens, positions, per_op: bool, bf16_weight_grads: bool = False):
     """Our jitted forward+backward step (mean token negative log-likelihood), traced with the decoder's elementwise
-    functions rounded per operation (`PER_OP`) or as they are."""
-    current = {name: getattr(decoder, name) for name in PER_OP}
+    functions rounded per operation (`PER_OP`) or as they are, and with `bf16_weight_grads` the kernels cast before
+    the layers (their gradients rounded to bfloat16) instead of inside their products."""
+    current = {name: getattr(decoder, name) for name in (*PER_OP, "_kernels_cast_in_products")}
     if per_op:
         for name, fn in PER_OP.items():
             setattr(decoder, name, fn)
+    if bf16_weight_grads:
+        decoder._kernels_cast_in_products = lambda *_: False
     try:
 
         def loss(p, x, pos):
@@ -117,6 +124,8 @@ def main():
         for chains, step in steps.items()
         for library in ("oneDNN 3.2", "PyTorch's oneDNN")
     }
+    before = compiled_step(params, config, x, pos, per_op=False, bf16_weight_grads=True)
+    variants["ours, float32 chains, PyTorch's oneDNN, weight gradients in bf16"] = (before, True)
     times: dict[str, list[float]] = {name: [] for name in variants}
     times["PyTorch bf16 autocast"] = []
     torch_one = torch_step(folder, tokens, bf16=True)
@@ -138,7 +147,7 @@ def main():
     torch_s = medians["PyTorch bf16 autocast"]
     print(f"\nmedians of {args.rounds} rounds, {args.batch * args.seq} tokens per step")
     for name, seconds in medians.items():
-        print(f"{name:44} {seconds:6.2f} s/step  PyTorch / this: {torch_s / seconds:.2f}x")
+        print(f"{name:66} {seconds:6.2f} s/step  PyTorch / this: {torch_s / seconds:.2f}x")
     if args.json:
         settings = {
             "cpu": cpu_model(),

@@ -263,6 +263,36 @@ def test_dot_gradients_against_float64(bf16_library, dtype, trans_b, batch):
     bf16_library(dtype == jnp.bfloat16)  # the gradient products give bf16 results
 
 
+@needs_bf16_products
+def test_dot_cast_is_dot_of_the_cast_weight_with_a_float32_weight_gradient(bf16_library):
+    """`onednn.dot_cast(a, w, bf16)` (a float32 `w`): the product and `a`'s gradient bit for bit `dot`'s of
+    `w.astype(bf16)`; `w`'s gradient float32, within the kernel's float32 accumulation bound of the float64
+    `a.T @ g` (K U relative to `|a|.T @ |g|`, g the cotangent rounded to bf16 as `dot`'s VJP rounds it), where
+    `dot`'s own is that product rounded to bfloat16 (it fails the same bound, so the check tells them apart)."""
+    rng = np.random.default_rng(3)
+    a, w, cot = _normal(rng, (48, 64)), jnp.asarray(rng.normal(size=(64, 40)), jnp.float32), rng.normal(size=(48, 40))
+
+    def loss(product):
+        return lambda a, w: jnp.sum(product(a, w).astype(jnp.float32) * jnp.asarray(cot, jnp.float32))
+
+    cast = jax.jit(jax.value_and_grad(loss(lambda a, w: onednn.dot_cast(a, w, jnp.bfloat16)), argnums=(0, 1)))
+    plain = jax.jit(
+        jax.value_and_grad(
+            loss(lambda a, w: onednn.dot(a, w.astype(jnp.bfloat16), False, jnp.bfloat16)), argnums=(0, 1)
+        )
+    )
+    (out_c, (da_c, dw_c)), (out_p, (da_p, dw_p)) = cast(a, w), plain(a, w)
+    assert dw_c.dtype == jnp.float32 and da_c.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out_c), np.asarray(out_p))
+    np.testing.assert_array_equal(np.asarray(da_c, np.float32), np.asarray(da_p, np.float32))
+    g = _f64(jnp.asarray(cot, jnp.float32).astype(jnp.bfloat16))
+    ref = _t(_f64(a)) @ g
+    bound = 64 * U_F32 * (np.abs(_t(_f64(a))) @ np.abs(g)) + 1e-30
+    assert (np.abs(_f64(dw_c) - ref) <= bound).all()
+    assert not (np.abs(_f64(dw_p) - ref) <= bound).all()  # rounded to bfloat16: outside the float32 bound
+    bf16_library(True)  # the product and `a`'s gradient give bf16 results
+
+
 @pytest.mark.parametrize("dtype", [BF16, jnp.float32])
 def test_attention_products_in_onednn_against_float64(bf16_library, dtype):
     """`attention.attend` with its two products in oneDNN, against float64 attention of the same inputs.
@@ -615,13 +645,20 @@ _ONE_DEVICE = textwrap.dedent(
         grad_text = jax.jit(jax.grad(
             lambda p: sequence_logprobs(p, tokens, positions, config=config)[0].sum())).lower(params).as_text()
         loss, g = grads(config, params)
+        # How many of the layers' projection-kernel gradients a bfloat16 number holds exactly: all of them where the
+        # products' weight gradients are rounded to bfloat16 (XLA's), few where oneDNN writes them in float32
+        # (`onednn.dot_cast`).
+        leaves = jax.tree_util.tree_leaves_with_path(g["layers"])
+        kernel_grads = np.concatenate([np.asarray(v, np.float32).ravel() for path, v in leaves
+                                       if getattr(path[-1], "key", None) == "kernel"])
+        exact = np.asarray(jnp.asarray(kernel_grads).astype(jnp.bfloat16).astype(jnp.float32)) == kernel_grads
         errors = [float(np.abs(np.asarray(a, np.float64) - r).max() / np.abs(r).max())
                   for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(ref))]
         name = backend if remat == "none" else f"{backend}-{remat}"
         out[name if dtype == "bfloat16" else f"{name}-float32"] = {
                         "calls": text.count(onednn.TARGET), "grad_calls": grad_text.count(onednn.TARGET),
                         "loss_error": abs(float(loss) - ref_loss),
-                        "grad_error": max(errors)}
+                        "grad_error": max(errors), "kernel_grads_in_bf16": float(exact.mean())}
     # Packed rows of short segments: attention in blocks (block_attention) sends its products to oneDNN too.
     from feynrl_jax.models.block_attention import SegmentBounds
     ids = jnp.asarray(np.repeat(np.arange(1, 7), 8)[None].repeat(2, 0), jnp.int32)
@@ -703,3 +740,7 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
         assert result[run]["calls"] == 10, run
         for key in ("loss_error", "grad_error"):
             assert result[run][key] <= 2 * result["xla"][key] + 4 * U_BF16, (run, result)
+        # float32 weights, bf16 products on oneDNN: the weight gradients come out in float32 (`onednn.dot_cast`),
+        # not rounded to bfloat16 as XLA's are (a random float32 value is a bf16 one with probability 2^-16).
+        assert result[run]["kernel_grads_in_bf16"] < 0.01, (run, result[run])
+    assert result["xla"]["kernel_grads_in_bf16"] == 1.0

@@ -213,6 +213,29 @@ def _in_dtype(tree, dtype):
     return jax.tree_util.tree_map_with_path(lambda path, p: p if quant.is_quant_path(path) else p.astype(dtype), tree)
 
 
+def _kernels_cast_in_products(config: ModelConfig, dtype, use_onednn: bool) -> bool:
+    """Whether float32 projection kernels reach the products as they are, for `onednn.dot_cast` to cast (and give
+    their gradient in float32): bfloat16 products on oneDNN, and weights rounded to nothing narrower than that on
+    their way (`param_dtype` float32, or the compute dtype itself, where both roundings are the same one)."""
+    param_dtype = jnp.dtype(config.param_dtype)
+    return use_onednn and dtype == jnp.bfloat16 and param_dtype in (jnp.dtype(jnp.float32), dtype)
+
+
+def _layer_weights(layers, config: ModelConfig, dtype, keep_kernels: bool):
+    """The layers' weights rounded to `param_dtype`, then cast to the compute dtype `dtype`; NF4 leaves as they are,
+    and with `keep_kernels` (`_kernels_cast_in_products`) float32 projection kernels too (`_matmul` casts them)."""
+    param_dtype = jnp.dtype(config.param_dtype)
+
+    def cast(path, p):
+        if quant.is_quant_path(path):
+            return p
+        if keep_kernels and getattr(path[-1], "key", None) == "kernel" and p.dtype == jnp.float32:
+            return p
+        return p.astype(param_dtype).astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, layers)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32 (or wider), rounded once to `x`'s dtype. `x: [..., N]`, `scale: [N]`.
 
@@ -243,9 +266,13 @@ def _matmul(x: jax.Array, kernel: jax.Array, dtype, use_onednn: bool = False) ->
     Folding the batch and time axes into one keeps the dot and both of its gradients plain 2-D GEMMs, which
     XLA:CPU runs near its matmul peak; the same contraction written as a 3-D einsum ran its backward pass
     about 1.5x slower on CPU (benchmarks/bench_model_fwd_bwd.py). `use_onednn`: the product runs in oneDNN
-    (`feynrl_jax.kernels.onednn`: bfloat16 on a CPU's bf16 instructions, or float32).
+    (`feynrl_jax.kernels.onednn`: bfloat16 on a CPU's bf16 instructions, or float32); a float32 `kernel` with
+    bfloat16 products there goes to `onednn.dot_cast`, which casts it and gives its gradient in float32.
     """
     b, t, n = x.shape
+    if use_onednn and kernel.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:  # `_layer_weights` kept it
+        out = checkpoint_name(onednn.dot_cast(x.reshape(b * t, n).astype(dtype), kernel, dtype), ONEDNN_DOT)
+        return out.reshape(b, t, kernel.shape[-1])
     x2, kernel = x.reshape(b * t, n), kernel.astype(dtype)
     if use_onednn:
         out = checkpoint_name(onednn.dot(x2.astype(dtype), kernel, False, dtype), ONEDNN_DOT)
@@ -265,7 +292,8 @@ def _dense(
     `1 / (1 - rate)`), as PEFT's `lora_dropout` does; the frozen projection sees `x` whole. `use_onednn`: see
     `_matmul`."""
     n = x.shape[-1]
-    out = _matmul(x, quant.kernel(proj, dtype).reshape(n, -1), dtype, use_onednn)
+    kernel = proj["kernel"] if "kernel" in proj else quant.kernel(proj, dtype)  # `_matmul` casts it (NF4: here)
+    out = _matmul(x, kernel.reshape(n, -1), dtype, use_onednn)
     if "lora_a" in proj:
         a, b = proj["lora_a"], proj["lora_b"]
         rank = a.shape[-1]
@@ -389,12 +417,15 @@ def forward(
     raw_layers = params["layers"]
     dtype = jnp.dtype(config.compute_dtype)
     mm = onednn.use_onednn(config.cpu_matmul, dtype, tokens.shape[1] == 1)  # the products in oneDNN (on a CPU)
-    params = as_param_dtype(params, config)
+    keep_kernels = _kernels_cast_in_products(config, dtype, mm)
+    params = as_param_dtype({k: v for k, v in params.items() if k != "layers"}, config)
     # Every layer weight is used in the compute dtype: the whole stack is cast once, before the layers, so the
     # backward pass writes each layer's gradient into a stack of that dtype and widens the stack once at the end.
     # (Per-layer casts inside the scan made XLA:CPU convert-and-write each layer's gradient into the float32 stack:
-    # about 3.5 s of a 12 s bfloat16 step of SmolLM2-135M at 8x256 tokens.)
-    params = {**params, "layers": _in_dtype(params["layers"], dtype)}
+    # about 3.5 s of a 12 s bfloat16 step of SmolLM2-135M at 8x256 tokens.) Float32 kernels whose bfloat16
+    # products run on oneDNN stay float32 (`_kernels_cast_in_products`): `onednn.dot_cast` casts each, and writes
+    # its gradient in float32.
+    params = {**params, "layers": _layer_weights(raw_layers, config, dtype, keep_kernels)}
     scale = config.lora_scale  # adapters present in the params are applied (feynrl_jax.models.lora)
     layer_keys = None
     if dropout_rng is not None and config.lora_dropout > 0 and config.lora_rank:
@@ -464,7 +495,7 @@ def forward(
         return attend(q, keys, values, mask, mm), (ck, cv)
 
     if grad_sink is not None:
-        x = _layers_into_sink(block, packed_attention, x, raw_layers, grad_sink, config)
+        x = _layers_into_sink(block, packed_attention, x, raw_layers, grad_sink, config, dtype, keep_kernels)
         x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
         return x, None
 
@@ -505,7 +536,7 @@ def _check_sink(params: Params, sink: Params, config: ModelConfig, remat: str | 
         raise ValueError("grad_sink must match params['layers'] in structure, shapes and dtypes")
 
 
-def _layers_into_sink(block, attention, x, layers, sink, config):
+def _layers_into_sink(block, attention, x, layers, sink, config, dtype, keep_kernels: bool):
     """The stacked layers as one `lax.scan`, whose backward pass adds each layer's gradient into `sink`.
 
     Forward: the layers run in a scan that keeps each layer's input (what rematerialisation "full" keeps). Backward
@@ -514,13 +545,13 @@ def _layers_into_sink(block, attention, x, layers, sink, config):
     gradient of a stack of layers otherwise comes out as a stack of its own, which a caller accumulating several
     micro-batches adds to its accumulator afterwards: two buffers of the layers' size at once (PyTorch adds into
     `.grad` in place for the same reason). `layers` are the params as given (the accumulator's dtype); each layer
-    is rounded to `param_dtype` and cast to the compute dtype where it is used, as `forward` does to the stack.
+    is rounded to `param_dtype` and cast to the compute dtype `dtype` where it is used, as `forward` does to the
+    stack (`_layer_weights`, float32 kernels kept with `keep_kernels`).
     """
     windows, any_window = _window_table(config)
-    param_dtype, dtype = jnp.dtype(config.param_dtype), jnp.dtype(config.compute_dtype)
 
     def one_layer(x, p, window):
-        p = _in_dtype(_in_dtype(p, param_dtype), dtype)
+        p = _layer_weights(p, config, dtype, keep_kernels)
         return block(x, p, window if any_window else None, attention, None)[0]
 
     first = jax.tree.map(lambda a: a[0], layers)
