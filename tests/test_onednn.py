@@ -659,6 +659,18 @@ _ONE_DEVICE = textwrap.dedent(
                         "calls": text.count(onednn.TARGET), "grad_calls": grad_text.count(onednn.TARGET),
                         "loss_error": abs(float(loss) - ref_loss),
                         "grad_error": max(errors), "kernel_grads_in_bf16": float(exact.mean())}
+    # Through a gradient sink (several micro-batches' accumulator) the kernels are cast once per layer, before their
+    # products: their gradients come out rounded to bfloat16 (`forward` leaves `onednn.dot_cast` out there).
+    if out["bf16_here"]:
+        sinking = dataclasses.replace(base, compute_dtype="bfloat16", cpu_matmul="onednn", remat="full")
+        sink = jax.tree.map(jnp.zeros_like, params["layers"])
+        hidden_sum = lambda p: decoder.forward(p, tokens, positions, config=sinking, grad_sink=sink)[0].astype(
+            jnp.float32).sum()
+        sunk = jax.tree_util.tree_leaves_with_path(jax.jit(jax.grad(hidden_sum))(params)["layers"])
+        sunk = np.concatenate([np.asarray(v, np.float32).ravel() for path, v in sunk
+                               if getattr(path[-1], "key", None) == "kernel"])
+        out["sink_kernel_grads_in_bf16"] = float(
+            (np.asarray(jnp.asarray(sunk).astype(jnp.bfloat16).astype(jnp.float32)) == sunk).mean())
     # Packed rows of short segments: attention in blocks (block_attention) sends its products to oneDNN too.
     from feynrl_jax.models.block_attention import SegmentBounds
     ids = jnp.asarray(np.repeat(np.arange(1, 7), 8)[None].repeat(2, 0), jnp.int32)
@@ -744,3 +756,4 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
         # not rounded to bfloat16 as XLA's are (a random float32 value is a bf16 one with probability 2^-16).
         assert result[run]["kernel_grads_in_bf16"] < 0.01, (run, result[run])
     assert result["xla"]["kernel_grads_in_bf16"] == 1.0
+    assert result["sink_kernel_grads_in_bf16"] == 1.0

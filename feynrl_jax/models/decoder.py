@@ -216,7 +216,8 @@ def _in_dtype(tree, dtype):
 def _kernels_cast_in_products(config: ModelConfig, dtype, use_onednn: bool) -> bool:
     """Whether float32 projection kernels reach the products as they are, for `onednn.dot_cast` to cast (and give
     their gradient in float32): bfloat16 products on oneDNN, and weights rounded to nothing narrower than that on
-    their way (`param_dtype` float32, or the compute dtype itself, where both roundings are the same one)."""
+    their way (`param_dtype` float32, or the compute dtype itself, where both roundings are the same one). `forward`
+    leaves a pass into a gradient sink (`grad_sink`) out."""
     param_dtype = jnp.dtype(config.param_dtype)
     return use_onednn and dtype == jnp.bfloat16 and param_dtype in (jnp.dtype(jnp.float32), dtype)
 
@@ -417,7 +418,9 @@ def forward(
     raw_layers = params["layers"]
     dtype = jnp.dtype(config.compute_dtype)
     mm = onednn.use_onednn(config.cpu_matmul, dtype, tokens.shape[1] == 1)  # the products in oneDNN (on a CPU)
-    keep_kernels = _kernels_cast_in_products(config, dtype, mm)
+    # Not into a gradient sink: its backward pass recomputes every layer from the float32 weights, where casting
+    # each kernel once per layer (as before) measured faster than casting it in each of its products.
+    keep_kernels = grad_sink is None and _kernels_cast_in_products(config, dtype, mm)
     params = as_param_dtype({k: v for k, v in params.items() if k != "layers"}, config)
     # Every layer weight is used in the compute dtype: the whole stack is cast once, before the layers, so the
     # backward pass writes each layer's gradient into a stack of that dtype and widens the stack once at the end.
