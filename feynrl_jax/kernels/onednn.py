@@ -668,7 +668,7 @@ def dot_cast(a: jax.Array, w: jax.Array, dtype) -> jax.Array:
     float32 accumulator. In a layer scan XLA:CPU then stores each layer's weight gradient without a conversion
     (a rounding it ran slowly, element by element, in every layer), and the stack needs no widening at the end:
     a bfloat16 forward+backward pass of SmolLM2-135M over float32 weights (8 x 256 tokens, the 2-core AMX Xeon)
-    ran 1.10x faster (`benchmarks/bench_bf16_step.py`), with a weight gradient closer to the float32 one.
+    ran 1.07x faster (`benchmarks/bench_bf16_step.py`), with a weight gradient closer to the float32 one.
     """
     return _call(a, w.astype(dtype), False, False, dtype)
 

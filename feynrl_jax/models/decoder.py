@@ -498,7 +498,7 @@ def forward(
         return attend(q, keys, values, mask, mm), (ck, cv)
 
     if grad_sink is not None:
-        x = _layers_into_sink(block, packed_attention, x, raw_layers, grad_sink, config, dtype, keep_kernels)
+        x = _layers_into_sink(block, packed_attention, x, raw_layers, grad_sink, config, dtype)
         x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
         return x, None
 
@@ -539,7 +539,7 @@ def _check_sink(params: Params, sink: Params, config: ModelConfig, remat: str | 
         raise ValueError("grad_sink must match params['layers'] in structure, shapes and dtypes")
 
 
-def _layers_into_sink(block, attention, x, layers, sink, config, dtype, keep_kernels: bool):
+def _layers_into_sink(block, attention, x, layers, sink, config, dtype):
     """The stacked layers as one `lax.scan`, whose backward pass adds each layer's gradient into `sink`.
 
     Forward: the layers run in a scan that keeps each layer's input (what rematerialisation "full" keeps). Backward
@@ -549,12 +549,13 @@ def _layers_into_sink(block, attention, x, layers, sink, config, dtype, keep_ker
     micro-batches adds to its accumulator afterwards: two buffers of the layers' size at once (PyTorch adds into
     `.grad` in place for the same reason). `layers` are the params as given (the accumulator's dtype); each layer
     is rounded to `param_dtype` and cast to the compute dtype `dtype` where it is used, as `forward` does to the
-    stack (`_layer_weights`, float32 kernels kept with `keep_kernels`).
+    stack (`_layer_weights`); its kernels too, before their products (`onednn.dot_cast` is left out here: casting
+    in each product ran slower in this recomputing backward pass).
     """
     windows, any_window = _window_table(config)
 
     def one_layer(x, p, window):
-        p = _layer_weights(p, config, dtype, keep_kernels)
+        p = _layer_weights(p, config, dtype, keep_kernels=False)
         return block(x, p, window if any_window else None, attention, None)[0]
 
     first = jax.tree.map(lambda a: a[0], layers)
