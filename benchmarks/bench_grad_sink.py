@@ -11,7 +11,11 @@ columns in the trainer's shared-prefix layout (`testing.batches.shared_prefix_ba
 `predict` is the same function without the `layer_sink` mark, so the step accumulates as it did before the sink.
 
 `--precision bfloat16`: bfloat16 weights and compute from float32 master weights (`model.master_dtype`), the
-accumulator float32, as `model.master_dtype="float32"` trains a bfloat16 model.
+accumulator float32, as `model.master_dtype="float32"` trains a bfloat16 model. Where its bfloat16 products run on
+oneDNN (`--cpu-matmul`, as `model.cpu_matmul`: `onednn.use_onednn`), a third variant, "cast in products", is the
+sink step with the float32 kernels cast inside their products (`onednn.dot_cast`, whose weight gradients come out
+in float32), which `decoder._kernels_cast_in_products` leaves out of a pass into a sink: against "sink", where each
+layer's kernels are cast once before its products, it measures that choice.
 
 For each variant it prints the temporary buffers XLA plans for the compiled step
 (`memory_analysis().temp_size_in_bytes`) and, with `--steps` > 0, the seconds per step (the variants alternate,
@@ -20,7 +24,7 @@ For each variant it prints the temporary buffers XLA plans for the compiled step
 Run:
     python benchmarks/bench_grad_sink.py --steps 3
     python benchmarks/bench_grad_sink.py --steps 3 --model critic
-    python benchmarks/bench_grad_sink.py --steps 3 --precision bfloat16
+    python benchmarks/bench_grad_sink.py --steps 5 --precision bfloat16 --cpu-matmul auto
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from feynrl_jax.host_memory import reexec_with_allocator_tunables
 
 reexec_with_allocator_tunables()  # the allocator every other benchmark and `make` runs with
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 
@@ -36,6 +41,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_update_guard import compare_steps, step_setup  # noqa: E402
 
+import feynrl_jax.models.decoder as decoder  # noqa: E402
+from feynrl_jax.kernels import CPU_MATMUL_BACKENDS, onednn  # noqa: E402
 from feynrl_jax.losses import ALGORITHMS  # noqa: E402
 from feynrl_jax.sharding import RULES  # noqa: E402
 from feynrl_jax.train.critic import (  # noqa: E402
@@ -52,14 +59,38 @@ from feynrl_jax.train.step import ParamsSpec, TrainStep, make_train_step, model_
 def options(parser) -> None:
     parser.add_argument("--model", choices=("policy", "critic"), default="policy")
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--cpu-matmul",
+        choices=CPU_MATMUL_BACKENDS,
+        default="xla",
+        help="model.cpu_matmul of the steps (the runs' default is auto; the README's figures before the bfloat16 "
+        "variant ran on xla)",
+    )
+
+
+@contextlib.contextmanager
+def kernels_cast_in_sink(sink_passes: list[bool]):
+    """`decoder._kernels_cast_in_products` without its exclusion of passes into a gradient sink, for the steps traced
+    within; appends to `sink_passes` whether each pass it decided for was one (the benchmark checks one was)."""
+    decide = decoder._kernels_cast_in_products
+
+    def decide_in_sink_too(config, dtype, use_onednn, into_sink):
+        sink_passes.append(into_sink)
+        return decide(config, dtype, use_onednn, False)
+
+    decoder._kernels_cast_in_products = decide_in_sink_too
+    try:
+        yield
+    finally:
+        decoder._kernels_cast_in_products = decide
 
 
 def main() -> None:
     args, config, params, batch, mesh = step_setup(__doc__, options)
-    master = None
+    config, master = dataclasses.replace(config, cpu_matmul=args.cpu_matmul), None
     if args.precision == "bfloat16":
         config, master = dataclasses.replace(config, param_dtype="bfloat16", compute_dtype="bfloat16"), "float32"
-    print(f"{args.model}, {args.precision} compute", flush=True)
+    print(f"{args.model}, {args.precision} compute, model.cpu_matmul={args.cpu_matmul!r}", flush=True)
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
     optimizer, schedule = make_optimizer(1e-6, schedule="constant", weight_decay=0.01)
     step_options = dict(grad_accum=args.micro, learning_rate_fn=schedule, check_updated=False)
@@ -113,7 +144,16 @@ def main() -> None:
         "stack": lambda: build(lambda *a, **k: sinking(*a, **k)),  # the same function without the mark
     }
     assert builders["sink"]().sinks_layer_grads and not builders["stack"]().sinks_layer_grads
-    temps, median, difference = compare_steps(builders, params, batch, args.steps)
+    tracing, sink_passes = {}, []
+    if args.precision == "bfloat16":
+        if onednn.use_onednn(config.cpu_matmul, config.compute_dtype, False):
+            builders["cast in products"] = builders["sink"]
+            tracing["cast in products"] = lambda: kernels_cast_in_sink(sink_passes)
+        else:
+            print(f"no 'cast in products' variant: bfloat16 products not on oneDNN (--cpu-matmul {args.cpu_matmul})")
+    temps, median, difference = compare_steps(builders, params, batch, args.steps, tracing)
+    if tracing and not any(sink_passes):
+        raise SystemExit("the 'cast in products' variant traced no pass into a sink: it measured nothing")
     summary = f"sink / stack: temp {temps['sink'] / temps['stack']:.2f}x"
     less = (temps["stack"] - temps["sink"]) / layer_bytes
     summary += f" ({less:.2f}x the layers' {layer_bytes / 2**30:.2f} GiB less)"
@@ -121,6 +161,12 @@ def main() -> None:
         summary += f"; s/step {median['sink']:.2f} against {median['stack']:.2f}"
         summary += f", {median['sink'] / median['stack']:.2f}x; params' largest difference {difference:.1e}"
     print(summary, flush=True)
+    if "cast in products" in temps:
+        cast = f"cast in products / sink: temp {temps['cast in products'] / temps['sink']:.2f}x"
+        if median:
+            cast += f"; s/step {median['cast in products']:.2f} against {median['sink']:.2f}"
+            cast += f", {median['cast in products'] / median['sink']:.2f}x"
+        print(cast, flush=True)
 
 
 if __name__ == "__main__":

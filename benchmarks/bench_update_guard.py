@@ -19,6 +19,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -71,10 +72,15 @@ def step_setup(
 
 
 def compare_steps(
-    builders: dict[str, Callable[[], TrainStep]], params, batch, rounds: int
+    builders: dict[str, Callable[[], TrainStep]],
+    params,
+    batch,
+    rounds: int,
+    tracing: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
 ) -> tuple[dict[str, int], dict[str, float], float]:
     """Builds each variant's step, compiles it for `batch` and, with `rounds` > 0, times `rounds` steps of each after
-    a warm-up, the variants alternating.
+    a warm-up, the variants alternating. `tracing`: per variant, a context its step is built and compiled in (a call
+    after `TrainStep.compile` runs the compiled program without tracing again).
 
     Returns:
         `(XLA's temporary bytes per variant, median seconds per step per variant (empty without rounds), the largest
@@ -82,9 +88,10 @@ def compare_steps(
     """
     steps, states, temps, seconds = {}, {}, {}, {name: [] for name in builders}
     for name, build in builders.items():
-        step = build()
-        steps[name], states[name] = step, step.init_state(params)
-        temps[name] = step.compile(states[name], step.place_batch(batch)).memory_analysis().temp_size_in_bytes
+        with (tracing or {}).get(name, contextlib.nullcontext)():
+            step = build()
+            steps[name], states[name] = step, step.init_state(params)
+            temps[name] = step.compile(states[name], step.place_batch(batch)).memory_analysis().temp_size_in_bytes
         print(f"{name:8s}: temp {temps[name] / 2**30:.2f} GiB", flush=True)
     for round_ in range(rounds + 1 if rounds > 0 else 0):
         for name, step in steps.items():

@@ -213,13 +213,19 @@ def _in_dtype(tree, dtype):
     return jax.tree_util.tree_map_with_path(lambda path, p: p if quant.is_quant_path(path) else p.astype(dtype), tree)
 
 
-def _kernels_cast_in_products(config: ModelConfig, dtype, use_onednn: bool) -> bool:
+def _kernels_cast_in_products(config: ModelConfig, dtype, use_onednn: bool, into_sink: bool) -> bool:
     """Whether float32 projection kernels reach the products as they are, for `onednn.dot_cast` to cast (and give
     their gradient in float32): bfloat16 products on oneDNN, and weights rounded to nothing narrower than that on
-    their way (`param_dtype` float32, or the compute dtype itself, where both roundings are the same one). `forward`
-    leaves a pass into a gradient sink (`grad_sink`) out."""
+    their way (`param_dtype` float32, or the compute dtype itself, where both roundings are the same one).
+
+    Not in a pass into a gradient sink (`into_sink`, `forward`'s `grad_sink`): its backward pass recomputes every
+    layer from the float32 weights, and there casting each kernel in each of its products ran 1.01-1.02x slower than
+    casting it once per layer (`benchmarks/bench_grad_sink.py --precision bfloat16 --cpu-matmul auto`, its "cast in
+    products" variant, 2-core AMX Xeon).
+    """
     param_dtype = jnp.dtype(config.param_dtype)
-    return use_onednn and dtype == jnp.bfloat16 and param_dtype in (jnp.dtype(jnp.float32), dtype)
+    fits = use_onednn and dtype == jnp.bfloat16 and param_dtype in (jnp.dtype(jnp.float32), dtype)
+    return fits and not into_sink
 
 
 def _layer_weights(layers, config: ModelConfig, dtype, keep_kernels: bool):
@@ -418,9 +424,7 @@ def forward(
     raw_layers = params["layers"]
     dtype = jnp.dtype(config.compute_dtype)
     mm = onednn.use_onednn(config.cpu_matmul, dtype, tokens.shape[1] == 1)  # the products in oneDNN (on a CPU)
-    # Not into a gradient sink: its backward pass recomputes every layer from the float32 weights, where casting
-    # each kernel once per layer (as before) measured faster than casting it in each of its products.
-    keep_kernels = grad_sink is None and _kernels_cast_in_products(config, dtype, mm)
+    keep_kernels = _kernels_cast_in_products(config, dtype, mm, grad_sink is not None)
     params = as_param_dtype({k: v for k, v in params.items() if k != "layers"}, config)
     # Every layer weight is used in the compute dtype: the whole stack is cast once, before the layers, so the
     # backward pass writes each layer's gradient into a stack of that dtype and widens the stack once at the end.
@@ -498,7 +502,7 @@ def forward(
         return attend(q, keys, values, mask, mm), (ck, cv)
 
     if grad_sink is not None:
-        x = _layers_into_sink(block, packed_attention, x, raw_layers, grad_sink, config, dtype)
+        x = _layers_into_sink(block, packed_attention, x, raw_layers, grad_sink, config, dtype, keep_kernels)
         x = rms_norm(x, params["final_norm"]["scale"], config.rms_norm_eps)
         return x, None
 
@@ -539,7 +543,7 @@ def _check_sink(params: Params, sink: Params, config: ModelConfig, remat: str | 
         raise ValueError("grad_sink must match params['layers'] in structure, shapes and dtypes")
 
 
-def _layers_into_sink(block, attention, x, layers, sink, config, dtype):
+def _layers_into_sink(block, attention, x, layers, sink, config, dtype, keep_kernels: bool):
     """The stacked layers as one `lax.scan`, whose backward pass adds each layer's gradient into `sink`.
 
     Forward: the layers run in a scan that keeps each layer's input (what rematerialisation "full" keeps). Backward
@@ -549,13 +553,13 @@ def _layers_into_sink(block, attention, x, layers, sink, config, dtype):
     micro-batches adds to its accumulator afterwards: two buffers of the layers' size at once (PyTorch adds into
     `.grad` in place for the same reason). `layers` are the params as given (the accumulator's dtype); each layer
     is rounded to `param_dtype` and cast to the compute dtype `dtype` where it is used, as `forward` does to the
-    stack (`_layer_weights`); its kernels too, before their products (`onednn.dot_cast` is left out here: casting
-    in each product ran slower in this recomputing backward pass).
+    stack (`_layer_weights`), its float32 kernels kept for `onednn.dot_cast` with `keep_kernels` (which
+    `_kernels_cast_in_products` leaves off here).
     """
     windows, any_window = _window_table(config)
 
     def one_layer(x, p, window):
-        p = _layer_weights(p, config, dtype, keep_kernels=False)
+        p = _layer_weights(p, config, dtype, keep_kernels)
         return block(x, p, window if any_window else None, attention, None)[0]
 
     first = jax.tree.map(lambda a: a[0], layers)
