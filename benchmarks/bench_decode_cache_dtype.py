@@ -1,9 +1,12 @@
 """bfloat16 decode on a CPU: the native engine's decode dispatch against a bfloat16 KV cache and a float32 one.
 
 XLA:CPU computes a bfloat16 dot by widening both operands to float32, so decode attention against a bfloat16 cache
-converts the whole cache at every step. `feynrl_jax.models.cache_dtype` therefore gives a bfloat16 model a float32
-cache on a CPU (holding bfloat16-rounded values). This script measures what that buys, both caches in one process,
-their dispatches alternating.
+converts the whole cache at every step, and it widens a bfloat16 scatter (the step's cache write) the same way.
+`feynrl_jax.models.cache_dtype` therefore gives a bfloat16 model a float32 cache on a CPU (holding bfloat16-rounded
+values) where the decode step's products run on XLA. Where they run on oneDNN the cache stays bfloat16: attention's
+products read it on the bf16 instructions, and the kernel writes it in place (`onednn.cache_write`). This script
+measures the caches in one process, their dispatches alternating: the bfloat16 cache as `forward` writes it, the same
+cache written by XLA's scatter instead (`.at[...].set`, the write before `onednn.cache_write`), and the float32 one.
 
 Model: SmolLM2-135M's shapes with random weights (`init_params`), `param_dtype = compute_dtype = "bfloat16"`,
 `cpu_matmul="auto"` (oneDNN products where the kernel is built, as a run gets), per-layer params and a per-layer
@@ -19,6 +22,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import time
@@ -36,9 +40,28 @@ from bench_cpu_matmul import usable_cpus  # noqa: E402
 from bench_decode_step import decode_state  # noqa: E402
 from bench_model_fwd_bwd import SMOLLM2_135M_SHAPES  # noqa: E402
 
+import feynrl_jax.models.decoder as decoder  # noqa: E402
 from feynrl_jax.kernels import onednn  # noqa: E402
 from feynrl_jax.models import ModelConfig, cache_dtype, init_cache, init_params, unstack_layers  # noqa: E402
 from feynrl_jax.rollout.decode import decode_dispatch  # noqa: E402
+
+
+@contextlib.contextmanager
+def scatter_writes():
+    """`forward`'s bfloat16 cache writes by XLA's scatter (`.at[...].set`, mode "drop") instead of the kernel, for
+    the programs traced within."""
+    kernel_write = decoder._kernel_cache_write
+
+    def scatter(cache, x, index, at, keys):
+        rows = jnp.arange(x.shape[0])[:, None]
+        where = (*at, rows, slice(None), slice(None), index) if keys else (*at, rows, slice(None), index)
+        return cache.at[where].set(x, mode="drop")
+
+    decoder._kernel_cache_write = scatter
+    try:
+        yield
+    finally:
+        decoder._kernel_cache_write = kernel_write
 
 
 def main() -> None:
@@ -55,24 +78,30 @@ def main() -> None:
     params = unstack_layers(init_params(config, jax.random.key(0)))
     batch, steps = args.batch, args.dispatch_steps
     positions = np.linspace(0, args.live_len - steps, batch).astype(np.int32)  # fresh arrays: dispatch donates
-    dispatch = jax.jit(
-        functools.partial(decode_dispatch, config=config, steps=steps, greedy=False, top_k=0, use_top_p=False),
-        donate_argnums=1,
-    )
+
+    def dispatch():  # a jit of its own per variant: each traces (and keeps) its own program
+        step = functools.partial(decode_dispatch, config=config, steps=steps, greedy=False, top_k=0, use_top_p=False)
+        return jax.jit(step, donate_argnums=1)
+
     sampling = (jnp.zeros((0,), jnp.int32), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
 
     def state(dtype):
         cache = jax.tree.map(lambda a: a.astype(dtype), init_cache(config, batch, args.cache_len)).unstack()
         return decode_state(cache, positions, args.cache_len)
 
-    states = {"bfloat16 cache": state(jnp.bfloat16), "float32 cache (cache_dtype)": state(jnp.float32)}
-    times = {name: [] for name in states}
+    variants = {  # name: (dispatch, state, the context its program is traced in)
+        "bfloat16 cache": (dispatch(), state(jnp.bfloat16), contextlib.nullcontext),
+        "bfloat16 cache, XLA's scatter": (dispatch(), state(jnp.bfloat16), scatter_writes),
+        "float32 cache": (dispatch(), state(jnp.float32), contextlib.nullcontext),
+    }
+    times = {name: [] for name in variants}
     for repeat in range(args.repeats + 1):  # the first round compiles
-        for name, run_state in states.items():
+        for name, (run, run_state, tracing) in variants.items():
             start = time.perf_counter()
-            run_state, tokens, *_ = dispatch(params, run_state._replace(positions=jnp.asarray(positions)), *sampling)
+            with tracing() if repeat == 0 else contextlib.nullcontext():
+                run_state, tokens, *_ = run(params, run_state._replace(positions=jnp.asarray(positions)), *sampling)
             jax.block_until_ready((run_state, tokens))
-            states[name] = run_state
+            variants[name] = (run, run_state, tracing)
             if repeat:
                 times[name].append((time.perf_counter() - start) / steps)
 
@@ -87,8 +116,9 @@ def main() -> None:
     medians = {name: float(np.median(t)) for name, t in times.items()}
     for name, median in medians.items():
         print(f"  {name}: {median * 1e3:.1f} ms/step, {batch / median:.0f} tokens/s (median of {args.repeats})")
-    (narrow, narrow_s), (wide, wide_s) = medians.items()
-    print(f"  {wide} / {narrow}: {narrow_s / wide_s:.2f}x faster")
+    wide_s = medians["float32 cache"]
+    for name in ("bfloat16 cache", "bfloat16 cache, XLA's scatter"):
+        print(f"  {name} against the float32 cache: {wide_s / medians[name]:.2f}x faster")
 
 
 if __name__ == "__main__":

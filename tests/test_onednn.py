@@ -20,6 +20,7 @@ and `test_an_avx2_cpu_gets_no_bf16_products` checks the rule and, on such a CPU,
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -342,6 +343,38 @@ def test_attention_products_in_onednn_against_float64(bf16_library, dtype):
         bound = (4 * worst + (2 * t + 3) * U_F32) * spread + U_F32 * np.abs(ref)
     assert (np.abs(out - ref) <= bound).all(), np.abs(out - ref).max()
     bf16_library(dtype == jnp.bfloat16)  # probabilities times values: a bf16 result
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("keys", [True, False], ids=["keys", "values"])
+def test_cache_write_is_the_scatter_it_replaces(kernel, dtype, keys):
+    """`onednn.cache_write` is, bit for bit, the scatter `forward` wrote the cache with (`.at[...].set`, mode "drop"):
+    a stacked cache's layer (a layer outside the stack writes nothing) and one layer's cache, several tokens per
+    row, positions at both ends and out of range (dropped), with the cache donated (written in place) or not (the
+    kernel copies it first)."""
+    rng = np.random.default_rng(0)
+    layers, batch, heads, head_dim, length = 3, 4, 2, 8, 16
+    shape = (layers, batch, heads, head_dim, length) if keys else (layers, batch, heads, length, head_dim)
+    cache = jnp.asarray(rng.normal(size=shape), dtype)
+    update = jnp.asarray(rng.normal(size=(batch, 3, heads, head_dim)), dtype)
+    index = jnp.asarray([[0, 5, 15], [16, 3, 2], [7, 8, 9], [1, 99, 14]], jnp.int32)  # 16 and 99: dropped
+    rows = jnp.arange(batch)[:, None]
+
+    def scatter(cache, at):
+        where = (*at, rows, slice(None), slice(None), index) if keys else (*at, rows, slice(None), index)
+        return np.asarray(cache.at[where].set(update, mode="drop"))
+
+    write = jax.jit(functools.partial(onednn.cache_write, keys_transposed=keys))
+    donated = jax.jit(functools.partial(onednn.cache_write, keys_transposed=keys), donate_argnums=0)
+    for layer in (0, 2, 3):
+        want = scatter(cache, (layer,))
+        assert (want != np.asarray(cache)).any() == (layer < layers)
+        np.testing.assert_array_equal(np.asarray(write(cache, update, index, layer)), want)
+        np.testing.assert_array_equal(np.asarray(donated(jnp.copy(cache), update, index, layer)), want)
+    one = cache[1]
+    np.testing.assert_array_equal(np.asarray(donated(jnp.copy(one), update, index, 0)), scatter(one, ()))
+    with pytest.raises(Exception, match="cache_write: the shapes of cache, update and index do not agree"):
+        jax.block_until_ready(write(cache, update[:, :2], index, 0))
 
 
 def test_kernel_refuses_mismatched_operands(kernel):
@@ -695,6 +728,85 @@ _ONE_DEVICE = textwrap.dedent(
     print("RESULT " + json.dumps(out))
     """
 )
+
+
+_BF16_CACHE = textwrap.dedent(
+    """
+    import dataclasses, json
+    import jax, jax.numpy as jnp, numpy as np
+    from feynrl_jax.models import cache_dtype, forward, init_cache, unstack_layers
+    from feynrl_jax.models import decoder
+    from feynrl_jax.models.config import ModelConfig
+
+    base = ModelConfig(vocab_size=384, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=32, tie_word_embeddings=True)
+    model = dataclasses.replace(base, param_dtype="bfloat16", compute_dtype="bfloat16", cpu_matmul="onednn")
+    params = decoder.init_params(model, jax.random.key(0))
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), params)  # the same bfloat16 values
+    prompt = jax.random.randint(jax.random.key(1), (2, 6), 0, 384)
+    segments = jnp.asarray([[1] * 6, [1] * 4 + [0] * 2])  # row 1 ends in two padding tokens: never written
+    positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    step = jax.random.randint(jax.random.key(2), (2, 1), 0, 384)
+    run = jax.jit(forward, static_argnames=("config",))
+    out = {"dtypes": [cache_dtype(model).name, cache_dtype(dataclasses.replace(model, cpu_matmul="xla")).name]}
+    for name, config, p, held in (
+        ("bfloat16 cache", model, params, jnp.bfloat16),
+        ("float32 cache", model, params, jnp.float32),
+        ("float32 model", base, wide, jnp.float32),
+    ):
+        for layout in ("stacked", "per-layer"):
+            cache = jax.tree.map(lambda a: a.astype(held), init_cache(config, 2, 8))
+            q = p
+            if layout == "per-layer":
+                cache, q = cache.unstack(), unstack_layers(p)
+            text = run.lower(q, prompt, positions, config=config, segment_ids=segments, cache=cache).as_text()
+            hidden, cache = run(q, prompt, positions, config=config, segment_ids=segments, cache=cache)
+            last, cache = run(q, step, jnp.asarray([[6], [4]]), config=config, cache=cache)
+            ks = cache.k if layout == "per-layer" else list(cache.k)
+            vs = cache.v if layout == "per-layer" else list(cache.v)
+            out[f"{name}, {layout}"] = {
+                "writes": text.count("feynrl_cache_write"),
+                "held": str(ks[0].dtype),
+                "k0": np.asarray(ks[0], np.float32).tolist(),
+                "v0": np.asarray(vs[0], np.float32).tolist(),
+                "outputs": [np.asarray(x, np.float64).tolist() for x in (hidden, last)],
+            }
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@needs_bf16_products
+def test_bfloat16_cache_on_onednn_is_written_in_place_and_as_accurate(kernel, tmp_path):
+    """Where decode products run on oneDNN, a bfloat16 model keeps a bfloat16 KV cache on a CPU (`cache_dtype`),
+    written by the kernel (`onednn.cache_write`: XLA:CPU widened a bfloat16 scatter's whole cache) and read by
+    attention's oneDNN products, in one layer's and in the stacked cache. It holds the keys and values the float32
+    cache holds (layer 0, whose input both share: bit for bit, padding positions never written), and prefill then a
+    decode step through it are as close to the same model computed in float32 as through the float32 cache: both
+    multiply the same bfloat16 values and accumulate in float32, in other orders, so a rounding to bfloat16 may fall
+    the other way; hence at most twice the float32 cache's error (here the two errors are 1.0-1.2x each other, about
+    half a bfloat16 unit of the largest value; a cache written at wrong positions is off by whole values)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env["FEYNRL_JAX_CACHE"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _BF16_CACHE], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["dtypes"] == ["bfloat16", "float32"]
+    for layout in ("stacked", "per-layer"):
+        names = ("bfloat16 cache", "float32 cache", "float32 model")
+        narrow, wide, ref = (result[f"{name}, {layout}"] for name in names)
+        # keys and values of both layers, in one scan body (stacked) or per layer
+        assert narrow["writes"] == (2 if layout == "stacked" else 4) and wide["writes"] == 0, (layout, narrow)
+        assert narrow["held"] == "bfloat16" and wide["held"] == "float32"
+        for held in ("k0", "v0"):
+            np.testing.assert_array_equal(np.asarray(narrow[held]), np.asarray(wide[held]))
+        # row 1's padding (positions 4 and 5 of the prompt) was dropped; the decode step wrote position 4
+        values = np.asarray(narrow["v0"])  # [B, K, S, Dh]
+        assert (values[1, :, 5:] == 0).all() and (values[1, :, 4] != 0).any() and (values[0, :, 7:] == 0).all()
+        for got, other, want in zip(narrow["outputs"], wide["outputs"], ref["outputs"]):
+            got, other, want = np.asarray(got), np.asarray(other), np.asarray(want)
+            error, other_error = np.abs(got - want).max(), np.abs(other - want).max()
+            assert 0 < error <= 2 * other_error, (layout, error, other_error)
 
 
 def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel, tmp_path):

@@ -21,6 +21,9 @@ PyTorch is built with, through ATen: on a 2-core AMX Xeon 1.17 against 1.68 ms f
 process loads it (and libtorch_cpu) only when it first stages such a product (`_load_aten`); products with a float32
 operand or result stay here, as do all products where it is not built or was built for another PyTorch.
 
+The library also writes a decode step's keys and values into a bfloat16 KV cache in place (`cache_write`, its second
+FFI target), for the bfloat16 cache a model keeps where its decode products run here (`decoder.cache_dtype`).
+
 `model.cpu_matmul` picks the backend of the decoder's projections, attention's two batched products and the output
 projection (`decoder.forward`, `attention.attend`, `decoder.logits`), for a bfloat16 or float32 compute dtype:
 - "auto" (default): oneDNN where JAX runs on one CPU device, the library is built, oneDNN was measured faster than XLA
@@ -79,6 +82,8 @@ ATEN_SOURCE = Path(__file__).with_name("aten_matmul.cc")
 """The kernel's bf16 products on PyTorch's oneDNN, a library of its own (`aten_library`)."""
 LIBRARY = ONEDNN_LIBRARY
 TARGET = "feynrl_onednn_matmul"
+CACHE_WRITE_TARGET = "feynrl_cache_write"
+"""The library's second FFI target: a KV cache write in place (`cache_write`)."""
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 """/proc/cpuinfo flags of bfloat16 matrix instructions oneDNN uses."""
 AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
@@ -258,6 +263,8 @@ def _load() -> tuple[bool, str]:
         )
     if TARGET not in _REGISTERED:  # once per process, also when a rebuilt library is loaded again
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.FeynrlOnednnMatmul), platform="cpu")
+        write = jax.ffi.pycapsule(library.FeynrlCacheWrite)
+        jax.ffi.register_ffi_target(CACHE_WRITE_TARGET, write, platform="cpu")
         _REGISTERED.add(TARGET)
         _KERNEL[:] = [library]  # XLA keeps calling this one
     return True, ""
@@ -656,6 +663,26 @@ def _dot_bwd(trans_b, out_dtype, residuals, g):
 
 
 dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def cache_write(cache: jax.Array, update: jax.Array, index: jax.Array, layer, keys_transposed: bool) -> jax.Array:
+    """`update [B, T, K, Dh]` written into a KV cache at per-row positions `index [B, T]`, in place: one layer's
+    `cache [B, K, Dh, S]` (keys, stored transposed: `keys_transposed`) or `[B, K, S, Dh]` (values),
+    `cache[b, :, :, index[b, t]] = update[b, t]` (`[b, :, index[b, t], :]` for values), or layer `layer` of a stacked
+    cache `[L, B, K, ...]` (`layer` is ignored for one layer's). Positions outside `[0, S)` are dropped, as
+    `.at[...].set(mode="drop")` drops them (callers give no negative ones), and so is a layer outside `[0, L)`.
+
+    For a bfloat16 cache on a CPU (`decoder.cache_dtype`): XLA:CPU widens a bfloat16 scatter's whole operand to
+    float32 and narrows it back, the whole cache at every decode step; the kernel copies the written positions' bits
+    and nothing else. The result aliases `cache` (donate it, or XLA copies it first). No gradient (decoding only)."""
+    loaded, why = _load()
+    if not loaded:
+        raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
+    call = jax.ffi.ffi_call(
+        CACHE_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={0: 0}
+    )
+    index, layer = jnp.asarray(index, jnp.int32), jnp.asarray(layer, jnp.int32)
+    return call(cache, update.astype(cache.dtype), index, layer, keys_transposed=np.int64(keys_transposed))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -14,6 +14,9 @@
 // Large bf16 products with a bf16 result go to PyTorch's oneDNN (aten_matmul.cc) once onednn.py has handed this
 // library that function and the size from which it takes them (`feynrl_onednn_set_aten`); the rest, and all of them
 // where PyTorch is not installed, run here.
+//
+// A second target, `feynrl_cache_write` (`CacheWrite`), writes a decode step's keys and values into a bfloat16 KV
+// cache in place (onednn.cache_write).
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -146,6 +149,78 @@ ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+
+// The cache write's loop (`CacheWrite`), over elements of the cache's width.
+struct WriteShape {
+  int64_t batch, heads, head_dim, length, steps, layer;
+  bool keys_transposed;
+};
+
+template <typename T>
+void WriteRows(T* cache, const T* update, const int32_t* positions, const WriteShape& shape) {
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    for (int64_t t = 0; t < shape.steps; ++t) {
+      const int64_t s = positions[b * shape.steps + t];
+      if (s < 0 || s >= shape.length) continue;
+      for (int64_t h = 0; h < shape.heads; ++h) {
+        const T* row = update + ((b * shape.steps + t) * shape.heads + h) * shape.head_dim;
+        // the [Dh, S] (keys) or [S, Dh] (values) block of row b, head h
+        T* block = cache + ((shape.layer * shape.batch + b) * shape.heads + h) * shape.head_dim * shape.length;
+        if (shape.keys_transposed) {
+          for (int64_t d = 0; d < shape.head_dim; ++d) block[d * shape.length + s] = row[d];
+        } else {
+          std::memcpy(block + s * shape.head_dim, row, shape.head_dim * sizeof(T));
+        }
+      }
+    }
+  }
+}
+
+// Writes `update [B, T, K, Dh]` into a KV cache at per-row positions, in place: `cache [B, K, Dh, S]` (keys, stored
+// transposed: `keys_transposed`) or `[B, K, S, Dh]` (values), `cache[b, h, :, index[b, t]] = update[b, t, h, :]`;
+// or into layer `layer` of a stacked cache `[L, B, K, ...]`. Positions outside [0, S) are dropped (a padding token's),
+// and so is a layer outside [0, L). The result aliases the cache (`input_output_aliases`); where XLA gave it a buffer
+// of its own, the cache is copied there first. Any 2- or 4-byte element type, its bits copied as they are: XLA:CPU
+// widens a bfloat16 scatter's whole operand to float32 and narrows it back (the whole cache at every decode step),
+// where this touches only the written positions.
+ffi::Error CacheWrite(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buffer<ffi::S32> index,
+                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t keys_transposed) {
+  const size_t rank = cache.dimensions().size();
+  if ((rank != 4 && rank != 5) || update.dimensions().size() != 4 || index.dimensions().size() != 2 ||
+      layer.dimensions().size() != 0) {
+    return ffi::Error::InvalidArgument("cache_write: cache must be 4-D or 5-D, update 4-D, index 2-D, layer a scalar");
+  }
+  const int64_t* dims = cache.dimensions().begin() + rank - 4;  // [B, K, Dh, S] or [B, K, S, Dh]
+  const int64_t layers = rank == 5 ? cache.dimensions()[0] : 1;
+  const int64_t batch = dims[0], heads = dims[1];
+  const int64_t head_dim = keys_transposed ? dims[2] : dims[3];
+  const int64_t length = keys_transposed ? dims[3] : dims[2];
+  const int64_t steps = update.dimensions()[1];
+  if (update.dimensions()[0] != batch || update.dimensions()[2] != heads || update.dimensions()[3] != head_dim ||
+      index.dimensions()[0] != batch || index.dimensions()[1] != steps) {
+    return ffi::Error::InvalidArgument("cache_write: the shapes of cache, update and index do not agree");
+  }
+  const size_t size = ffi::ByteWidth(cache.element_type());
+  if (update.element_type() != cache.element_type() || out->element_type() != cache.element_type() ||
+      (size != 2 && size != 4) || out->size_bytes() != cache.size_bytes()) {
+    return ffi::Error::InvalidArgument("cache_write: cache, update and result must share one 2- or 4-byte type");
+  }
+  if (out->untyped_data() != cache.untyped_data()) {
+    std::memcpy(out->untyped_data(), cache.untyped_data(), cache.size_bytes());
+  }
+  const int64_t l = rank == 5 ? *layer.typed_data() : 0;
+  if (l < 0 || l >= layers) return ffi::Error::Success();
+  const WriteShape shape{batch, heads, head_dim, length, steps, l, keys_transposed != 0};
+  if (size == 2) {
+    WriteRows(static_cast<uint16_t*>(out->untyped_data()), static_cast<const uint16_t*>(update.untyped_data()),
+              index.typed_data(), shape);
+  } else {
+    WriteRows(static_cast<uint32_t*>(out->untyped_data()), static_cast<const uint32_t*>(update.untyped_data()),
+              index.typed_data(), shape);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlOnednnMatmul, Matmul,
@@ -155,6 +230,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlOnednnMatmul, Matmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("trans_a")
                                   .Attr<int64_t>("trans_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlCacheWrite, CacheWrite,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("keys_transposed"));
 
 // The source this library was compiled from (a hash `build` passes), so a library older than its source is refused.
 #ifndef FEYNRL_ONEDNN_SOURCE_HASH
