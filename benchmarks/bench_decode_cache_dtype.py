@@ -15,14 +15,22 @@ over the first `--live-len` positions of a `--cache-len` cache (continuous batch
 dispatch (`decode_dispatch`, `--dispatch-steps` steps in one `lax.scan`, sampling at temperature 1, the state
 donated). The first round compiles and is not timed; the median of `--repeats` rounds is reported per step.
 
+`--engine`: instead, the native engine's whole generation (`NativeEngine.generate`: prefill, the prompts' keys and
+values inserted into slots, decode dispatches, the narrowed tail) of SmolLM2-135M-Instruct (`bench_rollout.py`'s
+32 chat prompts, 128 new tokens at T=1, its weights, `cpu_matmul="auto"`), with the bfloat16 cache (`cache_dtype`)
+and with a float32 one (`cache_dtype` replaced while that engine is built and generates), the two engines taking
+turns, `--repeats` rounds after one that compiles; tokens per second, median.
+
 Run:
     python benchmarks/bench_decode_cache_dtype.py --batch 32 --cache-len 256 --dispatch-steps 16
+    python benchmarks/bench_decode_cache_dtype.py --engine --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -48,20 +56,68 @@ from feynrl_jax.rollout.decode import decode_dispatch  # noqa: E402
 
 @contextlib.contextmanager
 def scatter_writes():
-    """`forward`'s bfloat16 cache writes by XLA's scatter (`.at[...].set`, mode "drop") instead of the kernel, for
-    the programs traced within."""
-    kernel_write = decoder._kernel_cache_write
+    """`forward`'s bfloat16 cache writes (`decoder.write_cache`) by XLA's scatter (`.at[...].set`, mode "drop")
+    instead of the kernel, for the programs traced within."""
+    kernel_write = decoder.write_cache
 
-    def scatter(cache, x, index, at, keys):
-        rows = jnp.arange(x.shape[0])[:, None]
-        where = (*at, rows, slice(None), slice(None), index) if keys else (*at, rows, slice(None), index)
-        return cache.at[where].set(x, mode="drop")
+    def scatter(cache, update, positions, *, keys, config, rows=None, layer=None):
+        rows = jnp.arange(update.shape[0])[:, None]
+        at = () if layer is None else (layer,)
+        where = (*at, rows, slice(None), slice(None), positions) if keys else (*at, rows, slice(None), positions)
+        return cache.at[where].set(update, mode="drop")
 
-    decoder._kernel_cache_write = scatter
+    decoder.write_cache = scatter
     try:
         yield
     finally:
-        decoder._kernel_cache_write = kernel_write
+        decoder.write_cache = kernel_write
+
+
+@contextlib.contextmanager
+def float32_cache():
+    """`decoder.cache_dtype` giving float32 (the cache before the bfloat16 one) while an engine is built and runs."""
+    chosen = decoder.cache_dtype
+    decoder.cache_dtype = lambda config: jnp.dtype(jnp.float32)
+    try:
+        yield
+    finally:
+        decoder.cache_dtype = chosen
+
+
+def engine_rounds(repeats: int) -> None:
+    """`--engine`: the native engine's generation with each cache, the engines taking turns (see the module doc)."""
+    from bench_model_fwd_bwd import model_folder
+    from bench_rollout import chat_prompts
+
+    from feynrl_jax.checkpoints import load_hf, load_tokenizer
+    from feynrl_jax.rollout import NativeEngine, SamplingParams
+
+    folder = model_folder()
+    params, config = load_hf(folder)
+    config = dataclasses.replace(config, param_dtype="bfloat16", compute_dtype="bfloat16", cpu_matmul="auto")
+    prompts = chat_prompts(load_tokenizer(folder), 32)
+    cache_len = max(map(len, prompts)) + 128
+    contexts = {"bfloat16 cache (cache_dtype)": contextlib.nullcontext, "float32 cache": float32_cache}
+    engines = {}
+    for name, context in contexts.items():
+        with context():
+            engines[name] = NativeEngine(config, params, num_slots=32, cache_len=cache_len)
+    rates = {name: [] for name in engines}
+    for repeat in range(repeats + 1):  # the first round compiles
+        for name, engine in engines.items():
+            with contexts[name]():
+                start = time.perf_counter()
+                rollouts = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=128, seed=repeat))
+                seconds = time.perf_counter() - start
+            if repeat:
+                rates[name].append(float(rollouts.completion_mask.sum()) / seconds)
+    held = {name: engine._state.cache.k[0].dtype.name for name, engine in engines.items()}
+    print(f"{folder}: bfloat16, 32 prompts, 128 new tokens, T=1; caches held: {held}")
+    medians = {name: float(np.median(r)) for name, r in rates.items()}
+    for name, median in medians.items():
+        print(f"  {name}: {median:.1f} tokens/s (median of {repeats})")
+    (narrow, narrow_rate), (wide, wide_rate) = medians.items()
+    print(f"  {narrow} / {wide}: {narrow_rate / wide_rate:.2f}x the tokens/s")
 
 
 def main() -> None:
@@ -71,7 +127,10 @@ def main() -> None:
     parser.add_argument("--live-len", type=int, default=192, help="rows sit at positions below this")
     parser.add_argument("--dispatch-steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--engine", action="store_true", help="the native engine's whole generation instead")
     args = parser.parse_args()
+    if args.engine:
+        return engine_rounds(args.repeats)
 
     shapes = {"model_type": "llama", **SMOLLM2_135M_SHAPES}
     config = ModelConfig.from_hf(shapes, param_dtype="bfloat16", compute_dtype="bfloat16", cpu_matmul="auto")

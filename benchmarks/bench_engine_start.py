@@ -22,6 +22,7 @@ demo's shape) are timed too: what is left of its start is compiling prefill and 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -91,7 +92,7 @@ def measure(side: str, generate: bool) -> dict[str, float]:
             )
         )
         in_param_dtype = jax.jit(lambda rest: as_param_dtype(rest, config))
-        insert_prefix = jax.jit(slots_lib.insert_prefix, donate_argnums=(0, 1))
+        insert_prefix = jax.jit(functools.partial(slots_lib.insert_prefix, config=config), donate_argnums=(0, 1))
         insert_fields = jax.jit(slots_lib.insert, donate_argnums=0)
         free_fields = jax.jit(lambda fields, done: constrain(slots_lib.deactivate(fields, done)), donate_argnums=0)
 

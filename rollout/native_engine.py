@@ -196,7 +196,8 @@ class NativeEngine:
         self._deactivate = jax.jit(lambda fields, done: constrain_fields(deactivate(fields, done)), donate_argnums=0)
         self._take = jax.jit(lambda state, slots: constrain(take(state, slots)))
         self._insert_prefix = jax.jit(
-            lambda k, v, *args: jax.tree.map(constrain_layer, insert_prefix(k, v, *args)), donate_argnums=(0, 1)
+            lambda k, v, *args: jax.tree.map(constrain_layer, insert_prefix(k, v, *args, config=config)),
+            donate_argnums=(0, 1),
         )
         self._layer_of = jax.jit(
             lambda layers, index: as_param_dtype(

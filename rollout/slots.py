@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from feynrl_jax.models import KVCache, ModelConfig, init_cache
+from feynrl_jax.models import KVCache, ModelConfig, init_cache, write_cache
 
 
 class DecodeState(NamedTuple):
@@ -90,7 +90,13 @@ def insert(
 
 
 def insert_prefix(
-    k: jax.Array, v: jax.Array, prefix: KVCache, layer: jax.Array, slot: jax.Array, row: jax.Array
+    k: jax.Array,
+    v: jax.Array,
+    prefix: KVCache,
+    layer: jax.Array,
+    slot: jax.Array,
+    row: jax.Array,
+    config: ModelConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One layer's cache with that layer of a prompt's KV (row `row` of a prefill's batch) written into row `slot`
     (jit with `k`, `v` donated; the layer, slot and row are traced, so one compiled program serves every layer, slot
@@ -107,12 +113,24 @@ def insert_prefix(
       layer: scalar int32, the layer.
       slot: scalar int32.
       row: scalar int32, the prompt's row in `prefix`.
+      config: the model's config, needed for a bfloat16 cache on a CPU: `models.write_cache` writes it (in place by
+        the kernel where `cache_dtype` gave it), since XLA:CPU widens a bfloat16 dynamic-update-slice's whole operand
+        to float32 and back: the layer's whole cache at every insert.
 
     Returns:
       `(k, v)` updated.
     """
     new_k = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(prefix.k, layer, keepdims=False), row, 1)
     new_v = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(prefix.v, layer, keepdims=False), row, 1)
+    if k.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        if config is None:
+            raise ValueError("insert_prefix: a bfloat16 cache on a CPU needs the model's config")
+        # [1, K, Dh, P] and [1, K, P, Dh] as [1, P, K, Dh] rows, written at positions 0..P-1 of row `slot`
+        written = jnp.arange(new_k.shape[-1], dtype=jnp.int32)[None]
+        rows = jnp.reshape(slot, (1,))
+        k = write_cache(k, new_k.transpose(0, 3, 1, 2), written, keys=True, config=config, rows=rows)
+        v = write_cache(v, new_v.transpose(0, 2, 1, 3), written, keys=False, config=config, rows=rows)
+        return k, v
     start = (slot, 0, 0, 0)
     k = jax.lax.dynamic_update_slice(k, new_k.astype(k.dtype), start)
     v = jax.lax.dynamic_update_slice(v, new_v.astype(v.dtype), start)

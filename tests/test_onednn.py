@@ -350,8 +350,8 @@ def test_attention_products_in_onednn_against_float64(bf16_library, dtype):
 def test_cache_write_is_the_scatter_it_replaces(kernel, dtype, keys):
     """`onednn.cache_write` is, bit for bit, the scatter `forward` wrote the cache with (`.at[...].set`, mode "drop"):
     a stacked cache's layer (a layer outside the stack writes nothing) and one layer's cache, several tokens per
-    row, positions at both ends and out of range (dropped), with the cache donated (written in place) or not (the
-    kernel copies it first)."""
+    row, positions at both ends and out of range (dropped), rows chosen (the engine's slot inserts; a row outside the
+    cache dropped), with the cache donated (written in place) or not (the kernel copies it first)."""
     rng = np.random.default_rng(0)
     layers, batch, heads, head_dim, length = 3, 4, 2, 8, 16
     shape = (layers, batch, heads, head_dim, length) if keys else (layers, batch, heads, length, head_dim)
@@ -373,6 +373,11 @@ def test_cache_write_is_the_scatter_it_replaces(kernel, dtype, keys):
         np.testing.assert_array_equal(np.asarray(donated(jnp.copy(cache), update, index, layer)), want)
     one = cache[1]
     np.testing.assert_array_equal(np.asarray(donated(jnp.copy(one), update, index, 0)), scatter(one, ()))
+    # into chosen rows: update row i into cache row rows[i]; a row outside the cache is dropped
+    rows = jnp.asarray([2, 0, 7, 3], jnp.int32)
+    where = (rows[:, None], slice(None), slice(None), index) if keys else (rows[:, None], slice(None), index)
+    want = np.asarray(one.at[where].set(update, mode="drop"))
+    np.testing.assert_array_equal(np.asarray(donated(jnp.copy(one), update, index, 0, rows=rows)), want)
     with pytest.raises(Exception, match="cache_write: the shapes of cache, update and index do not agree"):
         jax.block_until_ready(write(cache, update[:, :2], index, 0))
 
@@ -771,6 +776,27 @@ _BF16_CACHE = textwrap.dedent(
                 "v0": np.asarray(vs[0], np.float32).tolist(),
                 "outputs": [np.asarray(x, np.float64).tolist() for x in (hidden, last)],
             }
+    # The engine's slot insert (`insert_prefix`): a prompt's prefilled keys and values into one slot, the bfloat16
+    # cache by `write_cache` (the kernel), the float32 one by XLA's dynamic-update-slice as before.
+    from feynrl_jax.models import KVCache
+    from feynrl_jax.rollout.slots import insert_prefix
+    rng = np.random.default_rng(0)
+    prefix = KVCache(k=jnp.asarray(rng.normal(size=(2, 3, 2, 32, 8)), jnp.bfloat16),
+                     v=jnp.asarray(rng.normal(size=(2, 3, 2, 8, 32)), jnp.bfloat16))
+    slots_k = jnp.asarray(rng.normal(size=(4, 2, 32, 16)), jnp.bfloat16)
+    slots_v = jnp.asarray(rng.normal(size=(4, 2, 16, 32)), jnp.bfloat16)
+    insert = jax.jit(lambda k, v, *a: insert_prefix(k, v, *a, config=model), donate_argnums=(0, 1))
+    where = (prefix, jnp.int32(1), jnp.int32(2), jnp.int32(1))  # layer 1, slot 2, the prefix's row 1
+    inserted = {}
+    for dtype in (jnp.bfloat16, jnp.float32):
+        k, v = jnp.copy(slots_k).astype(dtype), jnp.copy(slots_v).astype(dtype)  # the insert donates them
+        text = insert.lower(k, v, *where).as_text()
+        k, v = insert(k, v, *where)
+        changed = (np.asarray(k, np.float32) != np.asarray(slots_k, np.float32)).any(axis=(1, 2, 3))
+        k, v = np.asarray(k, np.float32).tolist(), np.asarray(v, np.float32).tolist()
+        rows = np.flatnonzero(changed).tolist()
+        inserted[jnp.dtype(dtype).name] = {"writes": text.count("feynrl_cache_write"), "rows": rows, "k": k, "v": v}
+    out["insert"] = inserted
     print("RESULT " + json.dumps(out))
     """
 )
@@ -807,6 +833,12 @@ def test_bfloat16_cache_on_onednn_is_written_in_place_and_as_accurate(kernel, tm
             got, other, want = np.asarray(got), np.asarray(other), np.asarray(want)
             error, other_error = np.abs(got - want).max(), np.abs(other - want).max()
             assert 0 < error <= 2 * other_error, (layout, error, other_error)
+    # the slot insert: the same values written, into slot 2 alone, by the kernel for the bfloat16 cache
+    insert = result["insert"]
+    assert insert["bfloat16"]["writes"] == 2 and insert["float32"]["writes"] == 0
+    for held in ("k", "v"):
+        np.testing.assert_array_equal(np.asarray(insert["bfloat16"][held]), np.asarray(insert["float32"][held]))
+    assert insert["bfloat16"]["rows"] == insert["float32"]["rows"] == [2]
 
 
 def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel, tmp_path):

@@ -665,24 +665,29 @@ def _dot_bwd(trans_b, out_dtype, residuals, g):
 dot.defvjp(_dot_fwd, _dot_bwd)
 
 
-def cache_write(cache: jax.Array, update: jax.Array, index: jax.Array, layer, keys_transposed: bool) -> jax.Array:
-    """`update [B, T, K, Dh]` written into a KV cache at per-row positions `index [B, T]`, in place: one layer's
-    `cache [B, K, Dh, S]` (keys, stored transposed: `keys_transposed`) or `[B, K, S, Dh]` (values),
-    `cache[b, :, :, index[b, t]] = update[b, t]` (`[b, :, index[b, t], :]` for values), or layer `layer` of a stacked
-    cache `[L, B, K, ...]` (`layer` is ignored for one layer's). Positions outside `[0, S)` are dropped, as
-    `.at[...].set(mode="drop")` drops them (callers give no negative ones), and so is a layer outside `[0, L)`.
+def cache_write(
+    cache: jax.Array, update: jax.Array, index: jax.Array, layer, keys_transposed: bool, rows: jax.Array | None = None
+) -> jax.Array:
+    """`update [R, T, K, Dh]` written into rows `rows [R]` (default `0..R-1`) of a KV cache at per-row positions
+    `index [R, T]`, in place: one layer's `cache [B, K, Dh, S]` (keys, stored transposed: `keys_transposed`) or
+    `[B, K, S, Dh]` (values), `cache[rows[i], :, :, index[i, t]] = update[i, t]` (`[rows[i], :, index[i, t], :]` for
+    values), or layer `layer` of a stacked cache `[L, B, K, ...]` (`layer` is ignored for one layer's). Positions
+    outside `[0, S)` are dropped, as `.at[...].set(mode="drop")` drops them (callers give no negative ones), and so
+    are rows outside `[0, B)` and a layer outside `[0, L)`.
 
-    For a bfloat16 cache on a CPU (`decoder.cache_dtype`): XLA:CPU widens a bfloat16 scatter's whole operand to
-    float32 and narrows it back, the whole cache at every decode step; the kernel copies the written positions' bits
-    and nothing else. The result aliases `cache` (donate it, or XLA copies it first). No gradient (decoding only)."""
+    For a bfloat16 cache on a CPU (`decoder.cache_dtype`): XLA:CPU widens a bfloat16 scatter's or
+    dynamic-update-slice's whole operand to float32 and narrows it back, the whole cache at every decode step; the
+    kernel copies the written positions' bits and nothing else. The result aliases `cache` (donate it, or XLA copies
+    it first). No gradient (decoding only)."""
     loaded, why = _load()
     if not loaded:
         raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
     call = jax.ffi.ffi_call(
         CACHE_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={0: 0}
     )
+    rows = jnp.arange(update.shape[0], dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
     index, layer = jnp.asarray(index, jnp.int32), jnp.asarray(layer, jnp.int32)
-    return call(cache, update.astype(cache.dtype), index, layer, keys_transposed=np.int64(keys_transposed))
+    return call(cache, update.astype(cache.dtype), index, rows, layer, keys_transposed=np.int64(keys_transposed))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

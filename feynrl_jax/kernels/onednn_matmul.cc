@@ -157,15 +157,18 @@ struct WriteShape {
 };
 
 template <typename T>
-void WriteRows(T* cache, const T* update, const int32_t* positions, const WriteShape& shape) {
-  for (int64_t b = 0; b < shape.batch; ++b) {
+void WriteRows(T* cache, const T* update, const int32_t* positions, const int32_t* rows, int64_t updates,
+               const WriteShape& shape) {
+  for (int64_t b = 0; b < updates; ++b) {
+    const int64_t r = rows[b];
+    if (r < 0 || r >= shape.batch) continue;
     for (int64_t t = 0; t < shape.steps; ++t) {
       const int64_t s = positions[b * shape.steps + t];
       if (s < 0 || s >= shape.length) continue;
       for (int64_t h = 0; h < shape.heads; ++h) {
         const T* row = update + ((b * shape.steps + t) * shape.heads + h) * shape.head_dim;
-        // the [Dh, S] (keys) or [S, Dh] (values) block of row b, head h
-        T* block = cache + ((shape.layer * shape.batch + b) * shape.heads + h) * shape.head_dim * shape.length;
+        // the [Dh, S] (keys) or [S, Dh] (values) block of cache row r, head h
+        T* block = cache + ((shape.layer * shape.batch + r) * shape.heads + h) * shape.head_dim * shape.length;
         if (shape.keys_transposed) {
           for (int64_t d = 0; d < shape.head_dim; ++d) block[d * shape.length + s] = row[d];
         } else {
@@ -176,28 +179,30 @@ void WriteRows(T* cache, const T* update, const int32_t* positions, const WriteS
   }
 }
 
-// Writes `update [B, T, K, Dh]` into a KV cache at per-row positions, in place: `cache [B, K, Dh, S]` (keys, stored
-// transposed: `keys_transposed`) or `[B, K, S, Dh]` (values), `cache[b, h, :, index[b, t]] = update[b, t, h, :]`;
-// or into layer `layer` of a stacked cache `[L, B, K, ...]`. Positions outside [0, S) are dropped (a padding token's),
-// and so is a layer outside [0, L). The result aliases the cache (`input_output_aliases`); where XLA gave it a buffer
+// Writes `update [R, T, K, Dh]` into rows `rows [R]` of a KV cache at per-row positions, in place: `cache [B, K, Dh,
+// S]` (keys, stored transposed: `keys_transposed`) or `[B, K, S, Dh]` (values), `cache[rows[i], h, :, index[i, t]] =
+// update[i, t, h, :]`; or into layer `layer` of a stacked cache `[L, B, K, ...]`. Positions outside [0, S) are
+// dropped (a padding token's), and so are rows outside [0, B) and a layer outside [0, L). The result aliases the cache (`input_output_aliases`); where XLA gave it a buffer
 // of its own, the cache is copied there first. Any 2- or 4-byte element type, its bits copied as they are: XLA:CPU
 // widens a bfloat16 scatter's whole operand to float32 and narrows it back (the whole cache at every decode step),
 // where this touches only the written positions.
 ffi::Error CacheWrite(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buffer<ffi::S32> index,
-                      ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out, int64_t keys_transposed) {
+                      ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out,
+                      int64_t keys_transposed) {
   const size_t rank = cache.dimensions().size();
   if ((rank != 4 && rank != 5) || update.dimensions().size() != 4 || index.dimensions().size() != 2 ||
-      layer.dimensions().size() != 0) {
-    return ffi::Error::InvalidArgument("cache_write: cache must be 4-D or 5-D, update 4-D, index 2-D, layer a scalar");
+      rows.dimensions().size() != 1 || layer.dimensions().size() != 0) {
+    return ffi::Error::InvalidArgument(
+        "cache_write: cache must be 4-D or 5-D, update 4-D, index 2-D, rows 1-D, layer a scalar");
   }
   const int64_t* dims = cache.dimensions().begin() + rank - 4;  // [B, K, Dh, S] or [B, K, S, Dh]
   const int64_t layers = rank == 5 ? cache.dimensions()[0] : 1;
   const int64_t batch = dims[0], heads = dims[1];
   const int64_t head_dim = keys_transposed ? dims[2] : dims[3];
   const int64_t length = keys_transposed ? dims[3] : dims[2];
-  const int64_t steps = update.dimensions()[1];
-  if (update.dimensions()[0] != batch || update.dimensions()[2] != heads || update.dimensions()[3] != head_dim ||
-      index.dimensions()[0] != batch || index.dimensions()[1] != steps) {
+  const int64_t updates = update.dimensions()[0], steps = update.dimensions()[1];
+  if (update.dimensions()[2] != heads || update.dimensions()[3] != head_dim || index.dimensions()[0] != updates ||
+      index.dimensions()[1] != steps || rows.dimensions()[0] != updates) {
     return ffi::Error::InvalidArgument("cache_write: the shapes of cache, update and index do not agree");
   }
   const size_t size = ffi::ByteWidth(cache.element_type());
@@ -213,10 +218,10 @@ ffi::Error CacheWrite(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buffer<f
   const WriteShape shape{batch, heads, head_dim, length, steps, l, keys_transposed != 0};
   if (size == 2) {
     WriteRows(static_cast<uint16_t*>(out->untyped_data()), static_cast<const uint16_t*>(update.untyped_data()),
-              index.typed_data(), shape);
+              index.typed_data(), rows.typed_data(), updates, shape);
   } else {
     WriteRows(static_cast<uint32_t*>(out->untyped_data()), static_cast<const uint32_t*>(update.untyped_data()),
-              index.typed_data(), shape);
+              index.typed_data(), rows.typed_data(), updates, shape);
   }
   return ffi::Error::Success();
 }
@@ -235,6 +240,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlCacheWrite, CacheWrite,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()

@@ -1,9 +1,10 @@
 """Decoder-only transformers (Llama, Qwen2, Qwen3, Mistral, SmolLM2) as pure JAX functions over a params dict.
 
 The API (docs/CONTRACTS.md): `ModelConfig`, `init_params`, `placeholder_params`, `forward`, `KVCache`, `init_cache`,
-`cache_dtype`, `logits`, `sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`, `SegmentBounds`
-(blocked attention over packed rows of short segments), `sinks_layer_grads` (whether `forward` can add the layers'
-gradient into an accumulator in place, its `grad_sink`).
+`cache_dtype`, `write_cache` (keys and values into a cache at rows and positions, as `forward` writes them),
+`logits`, `sequence_logprobs`, `logical_axes`, `unstack_layers`, `as_param_dtype`, `SegmentBounds` (blocked attention
+over packed rows of short segments), `sinks_layer_grads` (whether `forward` can add the layers' gradient into an
+accumulator in place, its `grad_sink`).
 """
 
 from feynrl_jax.models.block_attention import SegmentBounds
@@ -21,6 +22,7 @@ from feynrl_jax.models.decoder import (
     placeholder_params,
     sinks_layer_grads,
     unstack_layers,
+    write_cache,
 )
 from feynrl_jax.models.logprobs import predecessor_hidden, sequence_logprobs, token_logprobs_from_hidden
 from feynrl_jax.models.partitioning import logical_axes
@@ -43,5 +45,6 @@ __all__ = [
     "sequence_logprobs",
     "sinks_layer_grads",
     "token_logprobs_from_hidden",
+    "write_cache",
     "unstack_layers",
 ]

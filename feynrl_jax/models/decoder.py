@@ -97,10 +97,34 @@ def cache_dtype(config: ModelConfig) -> jnp.dtype:
     return dtype
 
 
-def _kernel_cache_write(cache: jax.Array, x: jax.Array, index: jax.Array, at: tuple, keys: bool) -> jax.Array:
-    """`forward`'s cache write by `onednn.cache_write`: `x [B, T, K, Dh]` into `cache` (the stacked cache's layer
-    `at[0]`, or one layer's cache where `at` is empty) at positions `index [B, T]`, out-of-range ones dropped."""
-    return onednn.cache_write(cache, x, index, at[0] if at else 0, keys)
+def write_cache(
+    cache: jax.Array,
+    update: jax.Array,
+    positions: jax.Array,
+    *,
+    keys: bool,
+    config: ModelConfig,
+    rows: jax.Array | None = None,
+    layer: jax.Array | None = None,
+) -> jax.Array:
+    """A KV cache with `update [R, T, K, Dh]` written at `positions [R, T]` of its rows `rows [R]` (default
+    `0..R-1`): one layer's keys `[B, K, Dh, S]` (`keys`, stored transposed) or values `[B, K, S, Dh]`, or layer
+    `layer` of a stacked cache `[L, B, K, ...]`. Positions outside `[0, S)` are dropped (a padding token's).
+
+    A bfloat16 cache on a CPU, which `cache_dtype` gives where the decode step's products run on oneDNN, is written
+    in place by the kernel (`onednn.cache_write`): XLA:CPU widens a bfloat16 scatter's (or dynamic-update-slice's)
+    whole operand to float32 and back, the whole cache at every decode step. Any other cache by XLA's scatter."""
+    kernel = cache.dtype == jnp.bfloat16 and jax.default_backend() == "cpu" and cache_dtype(config) == cache.dtype
+    if kernel:
+        return onednn.cache_write(cache, update, positions, 0 if layer is None else layer, keys, rows)
+    rows = jnp.arange(update.shape[0]) if rows is None else rows
+    at = () if layer is None else (layer,)
+    where = (
+        (*at, rows[:, None], slice(None), slice(None), positions)
+        if keys
+        else (*at, rows[:, None], slice(None), positions)
+    )
+    return cache.at[where].set(update.astype(cache.dtype), mode="drop")
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -451,7 +475,6 @@ def forward(
         layer_keys = jax.random.split(dropout_rng, config.num_layers)
     x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(dtype)
     cos, sin = rope_cos_sin(positions, config)
-    batch_idx = jnp.arange(tokens.shape[0])[:, None]
     blocks = None
     if cache is None:
         # The segment structure is the same in every layer: build it once, outside the layers.
@@ -505,11 +528,9 @@ def forward(
         # indexed block of either cache is [B, T, K, Dh], the layout of k and v.
         # Rounded to the compute dtype, stored in the cache's: a wider cache (`cache_dtype`) holds the same values.
         k, v = (round_to(x, dtype).astype(ck.dtype) for x in (k, v))
-        if mm and ck.dtype == jnp.bfloat16:  # the kernel writes a bfloat16 cache in place (`onednn.cache_write`)
-            ck, cv = (_kernel_cache_write(c, x, write_idx, at, keys) for c, x, keys in ((ck, k, True), (cv, v, False)))
-        else:
-            ck = ck.at[(*at, batch_idx, slice(None), slice(None), write_idx)].set(k, mode="drop")
-            cv = cv.at[(*at, batch_idx, slice(None), write_idx)].set(v, mode="drop")
+        layer = at[0] if at else None
+        ck = write_cache(ck, k, write_idx, keys=True, config=config, layer=layer)
+        cv = write_cache(cv, v, write_idx, keys=False, config=config, layer=layer)
         keys, values = ck[at], cv[at]
         if attend_len is not None and attend_len < cache_len:
             keys, values = keys[..., :attend_len], values[..., :attend_len, :]
