@@ -193,7 +193,8 @@ def test_dtype_policy_bfloat16_params_float32_logits():
     assert _logits(params, hidden, config=config).dtype == jnp.float32
     lp, ent = _sequence_logprobs(params, x, _positions(2, 5), config=config, with_entropy=True)
     assert lp.dtype == ent.dtype == jnp.float32
-    # On a CPU the cache is float32 (`cache_dtype`: XLA:CPU would widen a bfloat16 cache at every decode step).
+    # On a CPU with XLA's decode products (TINY's `cpu_matmul="xla"`) the cache is float32 (`cache_dtype`: XLA:CPU
+    # would widen a bfloat16 cache at every decode step; oneDNN's keep it bfloat16, tests/test_onednn.py).
     held = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     assert init_cache(config, 2, 8).k.dtype == cache_dtype(config) == held
 

@@ -54,6 +54,7 @@ def base_config() -> ConfigDict:
     # The model's matrix products on a CPU (feynrl_jax/kernels/onednn.py): "auto" (oneDNN where it was measured
     # faster than XLA on this machine in the compute dtype, bfloat16 or float32, on one device, with the kernel built
     # by `make setup`, and for bfloat16 bf16 instructions; else XLA) | "onednn" (refused where it cannot run) | "xla".
+    # A bfloat16 model whose decode products run on oneDNN keeps a bfloat16 KV cache (else float32 on a CPU).
     config.model.cpu_matmul = "auto"
     # LoRA (Hu et al. 2021; docs/LORA.md): with rank > 0 only low-rank adapters on `targets` train; the base weights
     # stay frozen, the reference model is the base with the adapters off, and RL weight syncs carry the adapters.

@@ -69,7 +69,8 @@ class ModelConfig:
             CPU, "none" elsewhere; `resolved_remat`).
         cpu_matmul: backend of the projections', attention's and output projection's products (bfloat16 or float32)
             on a CPU: "xla", "onednn" or "auto" (`feynrl_jax.kernels.onednn`). Runs set it from `model.cpu_matmul`
-            ("auto").
+            ("auto"). Where a bfloat16 model's decode products run on oneDNN, its KV cache is bfloat16 (the kernel
+            writes it), float32 otherwise (`decoder.cache_dtype`).
         bos_token_id, eos_token_id, pad_token_id: special tokens (eos may be a tuple), or None.
         lora_rank: r of the low-rank adapters on `lora_targets` (Hu et al. 2021, `feynrl_jax.models.lora`); 0: no
             adapters. The params then hold `lora_a`/`lora_b` beside each target's kernel.
