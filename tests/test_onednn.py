@@ -351,7 +351,7 @@ def test_cache_write_is_the_scatter_it_replaces(kernel, dtype, keys):
     """`onednn.cache_write` is, bit for bit, the scatter `forward` wrote the cache with (`.at[...].set`, mode "drop"):
     a stacked cache's layer (a layer outside the stack writes nothing) and one layer's cache, several tokens per
     row, positions at both ends and out of range (dropped), rows chosen (the engine's slot inserts; a row outside the
-    cache dropped), with the cache donated (written in place) or not (the kernel copies it first)."""
+    cache dropped), with the cache donated (written in place) or not (XLA copies it for the aliased result)."""
     rng = np.random.default_rng(0)
     layers, batch, heads, head_dim, length = 3, 4, 2, 8, 16
     shape = (layers, batch, heads, head_dim, length) if keys else (layers, batch, heads, length, head_dim)

@@ -109,7 +109,8 @@ def write_cache(
 ) -> jax.Array:
     """A KV cache with `update [R, T, K, Dh]` written at `positions [R, T]` of its rows `rows [R]` (default
     `0..R-1`): one layer's keys `[B, K, Dh, S]` (`keys`, stored transposed) or values `[B, K, S, Dh]`, or layer
-    `layer` of a stacked cache `[L, B, K, ...]`. Positions outside `[0, S)` are dropped (a padding token's).
+    `layer` of a stacked cache `[L, B, K, ...]`. Positions and rows are non-negative (the two paths below would treat
+    a negative one differently); positions at or beyond `S` are dropped (a padding token's).
 
     A bfloat16 cache on a CPU, which `cache_dtype` gives where the decode step's products run on oneDNN, is written
     in place by the kernel (`onednn.cache_write`): XLA:CPU widens a bfloat16 scatter's (or dynamic-update-slice's)
