@@ -61,10 +61,7 @@ def scatter_writes():
     kernel_write = decoder.write_cache
 
     def scatter(cache, update, positions, *, keys, config, rows=None, layer=None):
-        rows = jnp.arange(update.shape[0])[:, None]
-        at = () if layer is None else (layer,)
-        where = (*at, rows, slice(None), slice(None), positions) if keys else (*at, rows, slice(None), positions)
-        return cache.at[where].set(update, mode="drop")
+        return decoder._scatter_cache(cache, update, positions, keys=keys, rows=rows, layer=layer)
 
     decoder.write_cache = scatter
     try:

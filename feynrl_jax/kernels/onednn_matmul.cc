@@ -182,10 +182,10 @@ void WriteRows(T* cache, const T* update, const int32_t* positions, const int32_
 // Writes `update [R, T, K, Dh]` into rows `rows [R]` of a KV cache at per-row positions, in place: `cache [B, K, Dh,
 // S]` (keys, stored transposed: `keys_transposed`) or `[B, K, S, Dh]` (values), `cache[rows[i], h, :, index[i, t]] =
 // update[i, t, h, :]`; or into layer `layer` of a stacked cache `[L, B, K, ...]`. Positions outside [0, S) are
-// dropped (a padding token's), and so are rows outside [0, B) and a layer outside [0, L). The result aliases the cache (`input_output_aliases`); where XLA gave it a buffer
-// of its own, the cache is copied there first. Any 2- or 4-byte element type, its bits copied as they are: XLA:CPU
-// widens a bfloat16 scatter's whole operand to float32 and narrows it back (the whole cache at every decode step),
-// where this touches only the written positions.
+// dropped (a padding token's), and so are rows outside [0, B) and a layer outside [0, L). The result aliases the
+// cache (`input_output_aliases`); where XLA gave it a buffer of its own, the cache is copied there first. Any 2- or
+// 4-byte element type, its bits copied as they are: XLA:CPU widens a bfloat16 scatter's whole operand to float32 and
+// narrows it back (the whole cache at every decode step), where this touches only the written positions.
 ffi::Error CacheWrite(ffi::AnyBuffer cache, ffi::AnyBuffer update, ffi::Buffer<ffi::S32> index,
                       ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> out,
                       int64_t keys_transposed) {

@@ -118,6 +118,11 @@ def write_cache(
     kernel = cache.dtype == jnp.bfloat16 and jax.default_backend() == "cpu" and cache_dtype(config) == cache.dtype
     if kernel:
         return onednn.cache_write(cache, update, positions, 0 if layer is None else layer, keys, rows)
+    return _scatter_cache(cache, update, positions, keys=keys, rows=rows, layer=layer)
+
+
+def _scatter_cache(cache, update, positions, *, keys: bool, rows=None, layer=None) -> jax.Array:
+    """`write_cache` by XLA's scatter (`.at[...].set`, mode "drop"), whatever the cache's dtype."""
     rows = jnp.arange(update.shape[0]) if rows is None else rows
     at = () if layer is None else (layer,)
     where = (
