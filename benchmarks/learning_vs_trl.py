@@ -55,6 +55,12 @@ start-up on).
     the start-up (`perf/rollout_warmup_past_start_seconds`), which the evaluation before training hid and a first
     generation would otherwise have waited for, is charged to step 1 too: twice, an overcharge, where the first
     generation itself still waited for the warm-up (it ran first, or the warm-up outlasted the evaluation).
+  - Ours, either way: the update's compile-ahead (`train.compile_ahead`) ran during the evaluation before training
+    too; a colocated trainer starts it only once its engine's warm-up ended (`TrainerActor._after_warm_up`). Step 1
+    is charged the part of it that ended after its batch was ready (the batch's time above, counted from the
+    start-up's end: `perf/update_compile_past_start_seconds` less it), less what the update still waited for it
+    (`perf/update_compile_wait_seconds`, which the step's wall time holds). An overcharge where the evaluation
+    slowed the compile down.
 
 Compilation cache (`--compile-cache`, ours only: TRL compiles nothing). `cold` (the default): JAX's persistent
 compilation cache is off in ours' runs, whatever the environment says, so every program compiles in the run, as on
@@ -139,6 +145,13 @@ def charged_step_seconds(record: dict, paused: bool, colocated: bool = False) ->
                 worker -= record.get("perf/weight_sync_seconds", 0.0)
         worker += record.get("perf/reward_seconds", 0.0)
         step_wall += max(0.0, worker - record["perf/trainer_wait_seconds"])
+        # Step 1: the part of the update's compile-ahead that the evaluation hid, past the batch (`worker`, counted
+        # from the start-up's end): a first update waits for it where nothing runs before it. Less what this
+        # update waited for the compile, which its wall time holds already.
+        compiled = record.get("perf/update_compile_past_start_seconds")
+        if compiled is not None:
+            waited = record.get("perf/update_compile_wait_seconds", 0.0)
+            step_wall += max(0.0, compiled - worker - waited)
     return step_wall
 
 

@@ -122,6 +122,31 @@ def test_a_colocated_run_is_charged_its_engine_time_in_either_order_of_generatio
     assert abs(charged(evaluation_first, colocated=False) - 25.0) < 1e-9
 
 
+def test_step_1_is_charged_the_update_compile_that_the_evaluation_hid_past_its_batch():
+    """The evaluation-first run above (16 s colocated, 25 s with a worker), whose update compiled ahead until 12 s
+    after the start-up. Its batch was ready 5.5 s after the start-up colocated (3 s of warm-up, 2 s of generation,
+    0.5 s of scoring) and 8.5 s with a worker (its rollout time and the scoring): a first update with nothing before
+    it would have waited 6.5 s and 3.5 s more. Where the update itself still waited 1 s for the compile, its wall
+    time holds that second. A compile that ended before the batch was ready, or a step after step 1, costs
+    nothing."""
+    start = {"step": 0, "perf/eval_seconds": 6.0, "eval/accuracy": 0.2, "eval/num_prompts": 64}
+
+    def run(compiled: float, waited: float) -> list[dict]:
+        records = [start]
+        for step in (1, 2):
+            record = step_record(step, wall=2.5 + 4 + 6, evaluation=6.0, waited=2.5, rollout=8.0, engine=2.0)
+            if step == 1:
+                record |= {"perf/update_compile_past_start_seconds": compiled}
+                record |= {"perf/update_compile_wait_seconds": waited}
+            records.append(record)
+        return records
+
+    assert abs(charged(run(12.0, 0.0), colocated=True) - (16.0 + 6.5)) < 1e-9
+    assert abs(charged(run(12.0, 0.0), colocated=False) - (25.0 + 3.5)) < 1e-9
+    assert abs(charged(run(12.0, 1.0), colocated=True) - (16.0 + 5.5)) < 1e-9
+    assert abs(charged(run(4.0, 0.0), colocated=True) - 16.0) < 1e-9
+
+
 def test_the_compile_cache_mode_reaches_ours_runs_and_a_warm_summary_names_its_cache(tmp_path):
     """`--compile-cache`: cold turns JAX's cache off in ours' runs even where the caller's environment names a
     folder; warm points them at the workdir's folder, keeps its runs in folders and saved results of their own (a

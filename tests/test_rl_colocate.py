@@ -12,6 +12,7 @@
 import json
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -78,12 +79,51 @@ def test_a_colocated_run_trains_bitwise_as_a_run_with_a_rollout_worker(ray_sessi
     assert worker[0]["perf/rollout_warmup_past_start_seconds"] >= 0  # the part the start-up did not hide
     # The colocated warm-up started in the trainer before its start-up ended (the driver sent it first).
     assert 0 <= colocated[0]["perf/rollout_warmup_past_start_seconds"] <= colocated[0]["perf/rollout_warmup_seconds"]
+    # The first update reports its compile-ahead once; the colocated one began only after the warm-up had ended.
+    for records in (worker, colocated):
+        assert records[0]["perf/update_compile_wait_seconds"] >= 0
+        assert not any("perf/update_compile_past_start_seconds" in r for r in records[1:])
+    warmed = colocated[0]["perf/rollout_warmup_past_start_seconds"]
+    assert colocated[0]["perf/update_compile_past_start_seconds"] >= warmed
     # The engine's own time, apart from the call's queue on its actor and the trip back to the driver.
     # Generation speed is measured on that engine time, the queue and the round trip left out.
     for r in worker + colocated:
         assert 0 < r["perf/rollout_engine_seconds"] < r["perf/rollout_seconds"]
         rate = r["rollout/generated_tokens"] / r["perf/rollout_engine_seconds"]
         assert r["rollout/tokens_per_second"] == pytest.approx(rate, rel=1e-12)
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_a_colocated_trainer_compiles_its_update_once_its_engines_warm_up_has_ended(tmp_path, warmup):
+    """`TrainerActor` with a colocated engine holds the update's compile-ahead (`RLTrainer.compile_after`) until the
+    engine's warm-up has returned, whatever it returned: one process's compiles do not run side by side, and the
+    first generation needs the warm-up's programs first. Without `rollout.warmup` nothing is held (no warm-up
+    comes). A closed trainer's held compile compiles nothing."""
+    from feynrl_jax.orchestration.actors import TrainerActor
+    from feynrl_jax.orchestration.engines import EngineSpec
+    from feynrl_jax.rollout.types import SamplingParams
+
+    config = _config(str(tmp_path / "run"), colocate=True)
+    config.rollout.warmup = warmup
+    spec = EngineSpec(kind="native", num_slots=4, cache_len=config.data.max_seq_len, decode_steps_per_dispatch=2)
+    actor = TrainerActor.__ray_actor_class__(config, None, spec)  # the class itself, in this process
+    try:
+        if not warmup:
+            assert actor.trainer.compile_after is None
+            return
+        assert actor.trainer.compile_after == actor._after_warm_up
+        answers = []
+        waiter = threading.Thread(target=lambda: answers.append(actor._after_warm_up()))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not answers  # held: no warm-up has ended
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=0)
+        assert actor.rollout.warm_up([5, 9], sampling)["complete"] == 1.0
+        waiter.join(60)
+        assert answers == [True]
+    finally:
+        actor.close()
+    assert actor._after_warm_up() is False
 
 
 @pytest.mark.parametrize("lora_rank", [0, 2])
@@ -124,6 +164,10 @@ def test_a_colocated_engine_samples_the_trainers_params_and_frees_them_after_eac
     host = EngineHost(model, smollm2_checkpoint_dir(), spec, index=0, local_params=trainer_params)
     prompts = [[(5 * i + j) % 70 + 1 for j in range(4)] for i in range(3)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=11)
+    # A failed warm-up (a prompt of no tokens) is logged and reported empty, and it has ended all the same.
+    failing = EngineHost(model, smollm2_checkpoint_dir(), spec, index=1, local_params=trainer_params)
+    assert not failing.warm_up_ended.is_set()
+    assert failing.warm_up([0], sampling) == {} and failing.warm_up_ended.is_set()
     # The warm-up (placeholder weights; a LoRA engine's adapter load too) completes, then frees what it held.
     assert host.warm_up([len(p) for p in prompts], sampling)["complete"] == 1.0
     assert host.engine._params is None and host.engine._state is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -233,3 +234,50 @@ def test_a_trainer_given_its_model_config_loads_the_tokenizer_only_when_it_needs
         assert trainer.model_config == model_config and len(loads) == 2
     finally:
         trainer.close()
+
+
+def test_compile_after_holds_the_compile_ahead_and_the_first_update_reports_when_it_ended(tmp_path):
+    """`RLTrainer.compile_after` (a colocated engine's warm-up, `TrainerActor._after_warm_up`): the update's
+    programs start compiling only once it returns True, still ahead, in the compile thread; the first update reports
+    when the compile ended after `start` and how long it waited for it (once, not at later steps). Where it returns
+    False (the trainer closing), nothing compiles ahead and the first update compiles the step itself."""
+    opened = threading.Event()
+    returned_at = []
+
+    def gate() -> bool:
+        opened.wait(60)
+        returned_at.append(time.time())
+        return True
+
+    trainer = RLTrainer(_config(tmp_path / "held", "grpo", {}))
+    trainer.compile_after = gate
+    ends = []
+
+    def on_compile(event: str, seconds: float, **kwargs) -> None:
+        if event == COMPILE_EVENT and kwargs.get("fun_name") == STEP:
+            ends.append((time.time() - seconds, threading.current_thread().name))
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        trainer.start()
+        started = time.time()
+        time.sleep(1.0)
+        opened.set()
+        first = trainer.train(*_batch(), step=1, shuffle_seed=0)
+        later = trainer.train(*_batch(), step=2, shuffle_seed=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+        trainer.close()
+    assert len(ends) == 1 and ends[0][1].startswith("compile-update"), ends
+    assert ends[0][0] >= returned_at[0] >= started + 1.0  # the backend compile began after the gate opened
+    assert first["perf/update_compile_past_start_seconds"] >= 1.0
+    assert 0.0 <= first["perf/update_compile_wait_seconds"] <= first["perf/train_update_seconds"]
+    assert "perf/update_compile_past_start_seconds" not in later and trainer.train_step.trace_count == 1
+
+    closing = RLTrainer(_config(tmp_path / "closing", "grpo", {}))
+    closing.compile_after = lambda: False
+    try:
+        ahead, in_update, metrics = _first_update(closing)
+        assert ahead == [] and in_update == ["MainThread"] and np.isfinite(metrics["train/loss"])
+    finally:
+        closing.close()

@@ -385,6 +385,7 @@ class TrainerActor:
         self.process_id = process_id
         self.init_error = None
         self.rollout = None  # the colocated rollout engine (`rollout.colocate`), built with the trainer
+        self.closing = False
         if process_id is None:
             self._build()
 
@@ -406,6 +407,21 @@ class TrainerActor:
                     index=0,
                     local_params=self._engine_params,
                 )
+                if self.config.rollout.warmup:  # the driver calls `warm_up` here (`rl_loop`)
+                    self.trainer.compile_after = self._after_warm_up
+
+    def _after_warm_up(self) -> bool:
+        """Holds the update's compile-ahead (`RLTrainer.compile_after`) until the colocated engine's warm-up ends.
+
+        One process compiles one program at a time in effect: XLA:CPU's compiles share the process's threads, so a
+        compile started beside a long one waits for it (measured on the 2-core machine: a one-operation program's
+        0.05 s became 1.5-2.2 s beside the demo's train step; in the demo the warm-up's small programs took 5 s
+        each). The first generation needs the warm-up's programs before the first update needs the train step, so
+        these compile first and the update after, while the trainer evaluates and generates. Returns False where
+        the trainer closes first (nothing to compile); waits at most `ray.stall_timeout_s`, then compiles anyway
+        (`benchmarks/bench_compile_order.py` measures the two orders)."""
+        self.rollout.wait_for_warm_up(self.config.ray.stall_timeout_s)
+        return not self.closing
 
     def _engine_params(self, version: int) -> Any:
         """The colocated engine's params: the trainer's own, which must be `version`, in `model.param_dtype`
@@ -531,6 +547,9 @@ class TrainerActor:
         return self.trainer.final_params()
 
     def close(self) -> None:
+        self.closing = True
+        if self.rollout is not None:
+            self.rollout.warm_up_ended.set()  # a compile-ahead still waiting for it compiles nothing
         self.trainer.close()
 
 

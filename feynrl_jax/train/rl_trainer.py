@@ -553,9 +553,12 @@ class RLTrainer:
         )
         self.state: TrainState | None = None
         self.critic_state: TrainState | None = None
-        # The update's programs compile in a thread of their own from `start` on (`_compile_update`).
+        # The update's programs compile in a thread of their own from `start` on (`_compile_update`), once
+        # `compile_after()` returns where it is set: a colocated engine's warm-up (`actors.TrainerActor`).
         self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-update")
         self._compiled: Future | None = None
+        self._started_at = self._compile_ended_at = 0.0  # `time.time()` at `start`'s end and the compile's
+        self.compile_after: Callable[[], bool] | None = None  # False: compile nothing (the trainer is closing)
         self.reference: Any = None
         self.policy_version = 0
         self.evaluator = None
@@ -686,6 +689,7 @@ class RLTrainer:
 
     def _compile_ahead(self) -> None:
         if self.settings.compile_ahead:
+            self._started_at = time.time()
             self._compiled = self._compiler.submit(self._compile_or_warn)
 
     def _compile_update(self) -> None:
@@ -723,16 +727,30 @@ class RLTrainer:
         log.info("trainer: the update compiled in %.1f s, in the background", time.perf_counter() - t0)
 
     def _compile_or_warn(self) -> None:
-        """`_compile_update`; an error is logged, not raised: the first update then compiles as it would have."""
+        """`_compile_update` once `compile_after()` returns True (where set; False: nothing); an error is logged,
+        not raised: the first update then compiles as it would have."""
         try:
-            self._compile_update()
+            if self.compile_after is None or self.compile_after():
+                self._compile_update()
         except Exception:
             log.warning("trainer: compiling the update ahead failed; the first update compiles it", exc_info=True)
+        finally:
+            self._compile_ended_at = time.time()
 
-    def _wait_for_compile(self) -> None:
-        if self._compiled is not None:
-            compiled, self._compiled = self._compiled, None
-            compiled.result()
+    def _wait_for_compile(self) -> dict[str, float]:
+        """Waits for the compile-ahead, if one is pending. Returns, the first time only, when it ended after `start`
+        had returned (`perf/update_compile_past_start_seconds`) and how long this call waited for it
+        (`perf/update_compile_wait_seconds`): what a first update waits for where nothing else runs before it
+        (`benchmarks/learning_vs_trl.py` charges the part an evaluation before training hid)."""
+        if self._compiled is None:
+            return {}
+        compiled, self._compiled = self._compiled, None
+        t0 = time.perf_counter()
+        compiled.result()
+        return {
+            "perf/update_compile_past_start_seconds": max(0.0, self._compile_ended_at - self._started_at),
+            "perf/update_compile_wait_seconds": time.perf_counter() - t0,
+        }
 
     def _reference_from_base(self) -> None:
         """With LoRA and `algo.reference="initial"`, the reference is the starting policy over the train state's own
@@ -813,7 +831,7 @@ class RLTrainer:
             NonFiniteError: too many consecutive non-finite updates of the policy or the critic
                 (`optim.max_consecutive_nonfinite`), or an update that wrote a non-finite state.
         """
-        self._wait_for_compile()
+        compile_figures = self._wait_for_compile()
         order = np.random.default_rng(shuffle_seed)
         units = batch.tokens.shape[0]  # samples, or groups in the shared-prefix layout
         size = units // self.settings.mini_batches
@@ -844,6 +862,7 @@ class RLTrainer:
         metrics["train/micro_batches_run"] = float(np.mean(run))
         if packing:
             metrics["train/pack_fill"] = sum(s.tokens for s in packing) / max(sum(s.slots for s in packing), 1)
+        metrics.update(compile_figures)
         return metrics
 
     def _mini_batch(self, batch: TrainBatch, rows: np.ndarray) -> tuple[TrainBatch, PackStats | None]:
