@@ -4,10 +4,11 @@ With `rollout.colocate` the rollout engine lives in the trainer's process, and s
 engine's warm-up (`EngineHost.warm_up`: the decode dispatch, prefill and the small programs around them) and the
 update's compile-ahead (`RLTrainer._compile_update`: the train step). Compiles in one process do not run side by
 side: one started beside a long one waits for much of it. The trainer therefore holds its compile-ahead until the
-warm-up has ended (`TrainerActor._after_warm_up`, through `RLTrainer.compile_after`), since the first generation
-needs the warm-up's programs before the first update needs the train step. This benchmark runs the demo's start
-both ways, in the demo's own pieces, without Ray:
-  - `after` (what a run does): `RLTrainer.compile_after` waits for the warm-up's end (`EngineHost.wait_for_warm_up`);
+warm-up has ended (`TrainerActor._after_warm_up`, given to `RLTrainer` as its `compile_after`), since the first
+generation needs the warm-up's programs before the first update needs the train step. This benchmark runs the
+demo's start both ways, in the demo's own pieces, without Ray:
+  - `after` (what a run does): the trainer's `compile_after` waits for the warm-up's end
+    (`EngineHost.wait_for_warm_up`);
   - `together` (before the change): no wait; the two compile at once.
 
 Each side, in a fresh process: the demo config (`configs/grpo_demo.py`, colocated) builds the trainer and its
@@ -65,7 +66,9 @@ def measure(side: str) -> dict[str, float]:
         config.rollout.colocate = True
         config.checkpoint.every_steps = 0
         driver = _Run(config)  # model source, tokenizer, data, the first batch's prompt lengths, the engine's spec
-        trainer = RLTrainer(config, driver.model_config)
+        hosts = []  # the engine's host, built after the trainer (as in `TrainerActor`)
+        after = (lambda: hosts[0].wait_for_warm_up(600.0) or True) if side == "after" else None
+        trainer = RLTrainer(config, driver.model_config, compile_after=after)
         host = EngineHost(
             trainer.model_config,
             trainer.source.tokenizer_dir,
@@ -73,15 +76,14 @@ def measure(side: str) -> dict[str, float]:
             index=0,
             local_params=lambda version: as_param_dtype(trainer.state.params, trainer.model_config),
         )
-        if side == "after":
-            trainer.compile_after = lambda: host.wait_for_warm_up(600.0) or True
+        hosts.append(host)
         sampling = rollout_sampling(config, driver.tokenizer, config.seed)
         marks: dict[str, float] = {}
         t0 = time.perf_counter()
 
         def warm_up() -> None:
-            host.warm_up(driver.warmup_lengths, sampling)
-            marks["warm_up_seconds"] = time.perf_counter() - t0
+            if host.warm_up(driver.warmup_lengths, sampling).get("complete") == 1.0:
+                marks["warm_up_seconds"] = time.perf_counter() - t0
 
         warming = threading.Thread(target=warm_up)
         warming.start()
@@ -89,7 +91,7 @@ def measure(side: str) -> dict[str, float]:
         marks["start_seconds"] = time.perf_counter() - t0
         warming.join()
         if "warm_up_seconds" not in marks:
-            raise SystemExit("the warm-up failed")
+            raise SystemExit("the warm-up failed or was cut short (its log says why)")
         marks["past_start_seconds"] = max(0.0, marks["warm_up_seconds"] - marks["start_seconds"])
         batch = next(driver.prompts)
         compiled = host.clock.seconds()
@@ -115,7 +117,13 @@ def main() -> None:
     from bench_cpu_matmul import cpu_model
 
     runs = alternate_sides(__file__, SIDES, args.rounds)
-    settings = {"rounds": args.rounds, "cpu": cpu_model(), "cpus": os.cpu_count()}
+    flags = []
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read().split()
+    isa = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in flags]
+    settings = {"rounds": args.rounds, "cpu": cpu_model(), "cpus": os.cpu_count(), "isa": isa}
+    settings["date"] = time.strftime("%Y-%m-%d")
     report_sides(runs, "after", "together", settings=settings, json_path=args.json)
 
 

@@ -135,6 +135,7 @@ def charged_step_seconds(record: dict, paused: bool, colocated: bool = False) ->
     step_wall = record["perf/step_seconds"]
     step_wall -= record.get("perf/eval_seconds", 0.0) + record.get("perf/checkpoint_seconds", 0.0)
     if paused:  # the worker made this batch while the driver evaluated: charge what the trainer did not wait
+        built = 0.0
         if colocated:  # the engine's own time: not the queue behind the evaluation on the trainer actor
             worker = record["perf/rollout_engine_seconds"]
             # Step 1: the part of the warm-up that the start-up did not hide (the evaluation before training did).
@@ -142,12 +143,12 @@ def charged_step_seconds(record: dict, paused: bool, colocated: bool = False) ->
         else:  # holds the worker's weight load; step 1's builds its engine unless a warm-up did
             worker = record["perf/rollout_seconds"]
             if record["step"] == 1 and "perf/rollout_warmup_seconds" not in record:  # else a warm-up built it
-                worker -= record.get("perf/weight_sync_seconds", 0.0)
+                built = record.get("perf/weight_sync_seconds", 0.0)
         worker += record.get("perf/reward_seconds", 0.0)
-        step_wall += max(0.0, worker - record["perf/trainer_wait_seconds"])
+        step_wall += max(0.0, worker - built - record["perf/trainer_wait_seconds"])
         # Step 1: the part of the update's compile-ahead that the evaluation hid, past the batch (`worker`, counted
-        # from the start-up's end): a first update waits for it where nothing runs before it. Less what this
-        # update waited for the compile, which its wall time holds already.
+        # from the start-up's end, the engine's build included): a first update waits for it where nothing runs
+        # before it. Less what this update waited for the compile, which its wall time holds already.
         compiled = record.get("perf/update_compile_past_start_seconds")
         if compiled is not None:
             waited = record.get("perf/update_compile_wait_seconds", 0.0)

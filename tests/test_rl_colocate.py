@@ -93,22 +93,24 @@ def test_a_colocated_run_trains_bitwise_as_a_run_with_a_rollout_worker(ray_sessi
         assert r["rollout/tokens_per_second"] == pytest.approx(rate, rel=1e-12)
 
 
-@pytest.mark.parametrize("warmup", [True, False])
-def test_a_colocated_trainer_compiles_its_update_once_its_engines_warm_up_has_ended(tmp_path, warmup):
-    """`TrainerActor` with a colocated engine holds the update's compile-ahead (`RLTrainer.compile_after`) until the
-    engine's warm-up has returned, whatever it returned: one process's compiles do not run side by side, and the
-    first generation needs the warm-up's programs first. Without `rollout.warmup` nothing is held (no warm-up
-    comes). A closed trainer's held compile compiles nothing."""
+@pytest.mark.parametrize("case", ["warm_up", "close", "no_warm_up"])
+def test_a_colocated_trainer_compiles_its_update_once_its_engines_warm_up_has_ended(tmp_path, monkeypatch, case):
+    """`TrainerActor` with a colocated engine holds the update's compile-ahead (`RLTrainer`'s `compile_after`) until
+    the engine's warm-up has returned, whatever it returned: one process's compiles do not run side by side, and the
+    first generation needs the warm-up's programs first. Closing the trainer wakes a held compile, which then
+    compiles nothing. Without `rollout.warmup` nothing is held (no warm-up comes)."""
     from feynrl_jax.orchestration.actors import TrainerActor
     from feynrl_jax.orchestration.engines import EngineSpec
     from feynrl_jax.rollout.types import SamplingParams
 
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # the actor sets it: restored
     config = _config(str(tmp_path / "run"), colocate=True)
-    config.rollout.warmup = warmup
+    config.rollout.warmup = case != "no_warm_up"
     spec = EngineSpec(kind="native", num_slots=4, cache_len=config.data.max_seq_len, decode_steps_per_dispatch=2)
     actor = TrainerActor.__ray_actor_class__(config, None, spec)  # the class itself, in this process
     try:
-        if not warmup:
+        assert actor.init_error is None
+        if case == "no_warm_up":
             assert actor.trainer.compile_after is None
             return
         assert actor.trainer.compile_after == actor._after_warm_up
@@ -117,13 +119,15 @@ def test_a_colocated_trainer_compiles_its_update_once_its_engines_warm_up_has_en
         waiter.start()
         waiter.join(1.0)
         assert waiter.is_alive() and not answers  # held: no warm-up has ended
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=0)
-        assert actor.rollout.warm_up([5, 9], sampling)["complete"] == 1.0
-        waiter.join(60)
-        assert answers == [True]
+        if case == "warm_up":
+            sampling = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=0)
+            assert actor.rollout.warm_up([5, 9], sampling)["complete"] == 1.0
+            waiter.join(60)
+            assert answers == [True]
     finally:
         actor.close()
-    assert actor._after_warm_up() is False
+    waiter.join(5)
+    assert answers == ([True] if case == "warm_up" else [False])
 
 
 @pytest.mark.parametrize("lora_rank", [0, 2])

@@ -195,6 +195,7 @@ def test_a_failed_compile_ahead_is_logged_and_the_first_update_compiles(tmp_path
             ahead, in_update, metrics = _first_update(trainer)
         assert ahead == [] and in_update == ["MainThread"] and np.isfinite(metrics["train/loss"])
         assert "compiling the update ahead failed" in caplog.text and "compile failed" in caplog.text
+        assert "perf/update_compiled_at" not in metrics  # a failed compile-ahead is not reported as one
     finally:
         trainer.close()
 
@@ -237,10 +238,10 @@ def test_a_trainer_given_its_model_config_loads_the_tokenizer_only_when_it_needs
 
 
 def test_compile_after_holds_the_compile_ahead_and_the_first_update_reports_when_it_ended(tmp_path):
-    """`RLTrainer.compile_after` (a colocated engine's warm-up, `TrainerActor._after_warm_up`): the update's
+    """`RLTrainer(compile_after=...)` (a colocated engine's warm-up, `TrainerActor._after_warm_up`): the update's
     programs start compiling only once it returns True, still ahead, in the compile thread; the first update reports
-    when the compile ended after `start` and how long it waited for it (once, not at later steps). Where it returns
-    False (the trainer closing), nothing compiles ahead and the first update compiles the step itself."""
+    when the compile ended and how long it waited for it (once, not at later steps). Where it returns False (the
+    trainer closing), nothing compiles ahead, the first update compiles the step itself and reports no compile."""
     opened = threading.Event()
     returned_at = []
 
@@ -249,8 +250,7 @@ def test_compile_after_holds_the_compile_ahead_and_the_first_update_reports_when
         returned_at.append(time.time())
         return True
 
-    trainer = RLTrainer(_config(tmp_path / "held", "grpo", {}))
-    trainer.compile_after = gate
+    trainer = RLTrainer(_config(tmp_path / "held", "grpo", {}), compile_after=gate)
     ends = []
 
     def on_compile(event: str, seconds: float, **kwargs) -> None:
@@ -270,14 +270,14 @@ def test_compile_after_holds_the_compile_ahead_and_the_first_update_reports_when
         trainer.close()
     assert len(ends) == 1 and ends[0][1].startswith("compile-update"), ends
     assert ends[0][0] >= returned_at[0] >= started + 1.0  # the backend compile began after the gate opened
-    assert first["perf/update_compile_past_start_seconds"] >= 1.0
+    assert first["perf/update_compiled_at"] >= ends[0][0]  # when the compile ended (the driver: past start-up)
     assert 0.0 <= first["perf/update_compile_wait_seconds"] <= first["perf/train_update_seconds"]
-    assert "perf/update_compile_past_start_seconds" not in later and trainer.train_step.trace_count == 1
+    assert "perf/update_compiled_at" not in later and trainer.train_step.trace_count == 1
 
-    closing = RLTrainer(_config(tmp_path / "closing", "grpo", {}))
-    closing.compile_after = lambda: False
+    closing = RLTrainer(_config(tmp_path / "closing", "grpo", {}), compile_after=lambda: False)
     try:
         ahead, in_update, metrics = _first_update(closing)
         assert ahead == [] and in_update == ["MainThread"] and np.isfinite(metrics["train/loss"])
+        assert "perf/update_compiled_at" not in metrics  # nothing compiled ahead: nothing to report
     finally:
         closing.close()

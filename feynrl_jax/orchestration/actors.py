@@ -395,7 +395,12 @@ class TrainerActor:
             openmp_threads_from_cores()
             from feynrl_jax.train.rl_trainer import RLTrainer
 
-            self.trainer = RLTrainer(self.config, self.model_config)
+            # A colocated engine's warm-up comes (`rl_loop` sends it) where it is on and native: the update's
+            # compile-ahead waits for it.
+            rollout = self.config.rollout
+            warmed = rollout.colocate and rollout.warmup and self.spec.kind == "native"
+            compile_after = self._after_warm_up if warmed else None
+            self.trainer = RLTrainer(self.config, self.model_config, compile_after=compile_after)
             self.for_engine = publish_format(self.spec, self.trainer.model_config)
             # LoRA: the base is published once (`start`), every version carries the adapters alone.
             self.lora_sync = bool(self.trainer.model_config.lora_rank)
@@ -407,8 +412,6 @@ class TrainerActor:
                     index=0,
                     local_params=self._engine_params,
                 )
-                if self.config.rollout.warmup:  # the driver calls `warm_up` here (`rl_loop`)
-                    self.trainer.compile_after = self._after_warm_up
 
     def _after_warm_up(self) -> bool:
         """Holds the update's compile-ahead (`RLTrainer.compile_after`) until the colocated engine's warm-up ends.
@@ -418,8 +421,8 @@ class TrainerActor:
         0.05 s became 1.5-2.2 s beside the demo's train step; in the demo the warm-up's small programs took 5 s
         each). The first generation needs the warm-up's programs before the first update needs the train step, so
         these compile first and the update after, while the trainer evaluates and generates. Returns False where
-        the trainer closes first (nothing to compile); waits at most `ray.stall_timeout_s`, then compiles anyway
-        (`benchmarks/bench_compile_order.py` measures the two orders)."""
+        the trainer closes first (`close` wakes it: nothing to compile); waits at most `ray.stall_timeout_s`, then
+        compiles anyway (`benchmarks/bench_compile_order.py` measures the two orders)."""
         self.rollout.wait_for_warm_up(self.config.ray.stall_timeout_s)
         return not self.closing
 

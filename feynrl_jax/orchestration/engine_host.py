@@ -73,7 +73,8 @@ class EngineHost:
         # Generations waiting for or holding the engine: a warm-up (or its finish) yields to them.
         self.generations, self.generations_lock = 0, threading.Lock()
         self.warming_up = False  # a warm-up or its finish holds the engine
-        self.warm_up_ended = threading.Event()  # set when `warm_up` returns, whatever it returns
+        # Set when `warm_up` returns, whatever it returns (and by a closing `TrainerActor`, to wake its waiters).
+        self.warm_up_ended = threading.Event()
         self.finisher: threading.Thread | None = None  # finishes a warm-up cut short (`_finish_warm_up_soon`)
         self.finish_failed = False
         # Loaded by the first `detokenize` (stop strings): a run without them never imports transformers here,
@@ -203,7 +204,8 @@ class EngineHost:
             self.warm_up_ended.set()
 
     def wait_for_warm_up(self, timeout_s: float) -> None:
-        """Returns once `warm_up` has returned (whatever it returned), or after `timeout_s` with a warning."""
+        """Returns once `warm_up_ended` is set (`warm_up` returned, whatever it returned), or after `timeout_s` with a
+        warning."""
         if not self.warm_up_ended.wait(timeout_s):
             log.warning("rollout engine %d: the warm-up did not end in %.0f s; going on", self.index, timeout_s)
 

@@ -740,6 +740,9 @@ def _train(driver: _Run) -> dict[str, float]:
                 metrics.update(
                     driver.on_trainer("train", rollouts, scored.rewards, step=step, shuffle_seed=batch.shuffle_seed)
                 )
+                if "perf/update_compiled_at" in metrics:  # when the compile-ahead ended, from the start-up's end
+                    compiled = metrics.pop("perf/update_compiled_at") - driver.started_at
+                    metrics["perf/update_compile_past_start_seconds"] = max(0.0, compiled)
                 version = int(metrics["train/policy_version"])
                 pipeline.publish(version, driver.snapshot())
                 metrics["perf/train_seconds"] = time.perf_counter() - t1

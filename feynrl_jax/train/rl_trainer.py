@@ -438,9 +438,18 @@ class RLTrainer:
             this config's model and tokenizer (the RL driver's; `TrainerActor`): the tokenizer is then loaded
             only where the trainer needs it (evaluation, a reference model), which keeps transformers' import out
             of the trainer's start. None: computed here.
+        compile_after: a callable the update's compile-ahead runs first, in its thread, and which holds it until
+            it returns: True, then compile; False, compile nothing (the first update compiles). A colocated
+            `TrainerActor` passes its engine's warm-up (`TrainerActor._after_warm_up`). None: compile at once.
     """
 
-    def __init__(self, config: ConfigDict, model_config: ModelConfig | None = None):
+    def __init__(
+        self,
+        config: ConfigDict,
+        model_config: ModelConfig | None = None,
+        *,
+        compile_after: Callable[[], bool] | None = None,
+    ):
         self.config = config
         self.settings = settings = rl_settings(config)
         self.algorithm = settings.algorithm
@@ -554,11 +563,12 @@ class RLTrainer:
         self.state: TrainState | None = None
         self.critic_state: TrainState | None = None
         # The update's programs compile in a thread of their own from `start` on (`_compile_update`), once
-        # `compile_after()` returns where it is set: a colocated engine's warm-up (`actors.TrainerActor`).
+        # `compile_after()` returns where it is given: a colocated engine's warm-up (`actors.TrainerActor`).
         self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-update")
         self._compiled: Future | None = None
-        self._started_at = self._compile_ended_at = 0.0  # `time.time()` at `start`'s end and the compile's
-        self.compile_after: Callable[[], bool] | None = None  # False: compile nothing (the trainer is closing)
+        self.compile_after = compile_after
+        self._compiled_at: float | None = None  # `time.time()` when the compile-ahead ended, where it compiled
+        self._compile_figures: dict[str, float] = {}  # for the next `train`'s metrics (`_wait_for_compile`)
         self.reference: Any = None
         self.policy_version = 0
         self.evaluator = None
@@ -689,7 +699,6 @@ class RLTrainer:
 
     def _compile_ahead(self) -> None:
         if self.settings.compile_ahead:
-            self._started_at = time.time()
             self._compiled = self._compiler.submit(self._compile_or_warn)
 
     def _compile_update(self) -> None:
@@ -732,25 +741,26 @@ class RLTrainer:
         try:
             if self.compile_after is None or self.compile_after():
                 self._compile_update()
+                self._compiled_at = time.time()
         except Exception:
             log.warning("trainer: compiling the update ahead failed; the first update compiles it", exc_info=True)
-        finally:
-            self._compile_ended_at = time.time()
 
-    def _wait_for_compile(self) -> dict[str, float]:
-        """Waits for the compile-ahead, if one is pending. Returns, the first time only, when it ended after `start`
-        had returned (`perf/update_compile_past_start_seconds`) and how long this call waited for it
-        (`perf/update_compile_wait_seconds`): what a first update waits for where nothing else runs before it
-        (`benchmarks/learning_vs_trl.py` charges the part an evaluation before training hid)."""
+    def _wait_for_compile(self) -> None:
+        """Waits for the compile-ahead, if one is pending. Where it compiled the update, the next `train` reports
+        when it ended (`perf/update_compiled_at`, `time.time()`; the RL driver turns it into
+        `perf/update_compile_past_start_seconds`, from its trainer's start-up's end) and how long this call waited
+        for it (`perf/update_compile_wait_seconds`): what a first update waits for where nothing else runs before
+        it (`benchmarks/learning_vs_trl.py` charges the part that an evaluation before training hid)."""
         if self._compiled is None:
-            return {}
+            return
         compiled, self._compiled = self._compiled, None
         t0 = time.perf_counter()
         compiled.result()
-        return {
-            "perf/update_compile_past_start_seconds": max(0.0, self._compile_ended_at - self._started_at),
-            "perf/update_compile_wait_seconds": time.perf_counter() - t0,
-        }
+        if self._compiled_at is not None:
+            self._compile_figures = {
+                "perf/update_compiled_at": self._compiled_at,
+                "perf/update_compile_wait_seconds": time.perf_counter() - t0,
+            }
 
     def _reference_from_base(self) -> None:
         """With LoRA and `algo.reference="initial"`, the reference is the starting policy over the train state's own
@@ -831,7 +841,7 @@ class RLTrainer:
             NonFiniteError: too many consecutive non-finite updates of the policy or the critic
                 (`optim.max_consecutive_nonfinite`), or an update that wrote a non-finite state.
         """
-        compile_figures = self._wait_for_compile()
+        self._wait_for_compile()
         order = np.random.default_rng(shuffle_seed)
         units = batch.tokens.shape[0]  # samples, or groups in the shared-prefix layout
         size = units // self.settings.mini_batches
@@ -862,7 +872,6 @@ class RLTrainer:
         metrics["train/micro_batches_run"] = float(np.mean(run))
         if packing:
             metrics["train/pack_fill"] = sum(s.tokens for s in packing) / max(sum(s.slots for s in packing), 1)
-        metrics.update(compile_figures)
         return metrics
 
     def _mini_batch(self, batch: TrainBatch, rows: np.ndarray) -> tuple[TrainBatch, PackStats | None]:
@@ -920,6 +929,8 @@ class RLTrainer:
                 "perf/train_tokens_per_second": tokens / max(train_seconds, 1e-9),
             }
         )
+        metrics.update(self._compile_figures)  # the first update after a compile-ahead (`_wait_for_compile`)
+        self._compile_figures = {}
         return metrics
 
     def finish(self) -> None:
