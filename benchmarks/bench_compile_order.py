@@ -116,12 +116,10 @@ def main() -> None:
         return
     from bench_cpu_matmul import cpu_model
 
+    from feynrl_jax.kernels import onednn
+
     runs = alternate_sides(__file__, SIDES, args.rounds)
-    flags = []
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read().split()
-    isa = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in flags]
+    isa = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in onednn._cpu_flags()]
     settings = {"rounds": args.rounds, "cpu": cpu_model(), "cpus": os.cpu_count(), "isa": isa}
     settings["date"] = time.strftime("%Y-%m-%d")
     report_sides(runs, "after", "together", settings=settings, json_path=args.json)

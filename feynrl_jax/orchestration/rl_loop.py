@@ -509,10 +509,14 @@ class _Run:
             f"; {cut} cut short by the first generation ({finish})" if cut else "",
         )
         metrics = {"perf/rollout_warmup_seconds": seconds}
-        if self.started_at is not None:  # wall clocks of one machine (of several, as far as they agree)
-            ended = max(s["ended_at"] for s in stats)
-            metrics["perf/rollout_warmup_past_start_seconds"] = max(0.0, ended - self.started_at)
+        if self.started_at is not None:
+            metrics["perf/rollout_warmup_past_start_seconds"] = self.past_start(max(s["ended_at"] for s in stats))
         return metrics
+
+    def past_start(self, at: float) -> float:
+        """Seconds from the trainer's start-up's end (`started_at`) to `at` (`time.time()` in an actor: wall clocks of
+        one machine, or of several as far as they agree); 0 for a moment before it."""
+        return max(0.0, at - self.started_at)
 
     def named_trainers(self) -> list[tuple[Any, str]]:
         """`(handle, name)` of the trainer's processes: "trainer", or "trainer process <i>" when several."""
@@ -741,8 +745,8 @@ def _train(driver: _Run) -> dict[str, float]:
                     driver.on_trainer("train", rollouts, scored.rewards, step=step, shuffle_seed=batch.shuffle_seed)
                 )
                 if "perf/update_compiled_at" in metrics:  # when the compile-ahead ended, from the start-up's end
-                    compiled = metrics.pop("perf/update_compiled_at") - driver.started_at
-                    metrics["perf/update_compile_past_start_seconds"] = max(0.0, compiled)
+                    compiled = driver.past_start(metrics.pop("perf/update_compiled_at"))
+                    metrics["perf/update_compile_past_start_seconds"] = compiled
                 version = int(metrics["train/policy_version"])
                 pipeline.publish(version, driver.snapshot())
                 metrics["perf/train_seconds"] = time.perf_counter() - t1
