@@ -10,6 +10,11 @@ The step is the GRPO step of the runs (`make_train_step` on the GRPO loss, `mode
 columns in the trainer's shared-prefix layout (`testing.batches.shared_prefix_batch`). The other variant's
 `predict` is the same function without the `layer_sink` mark, so the step accumulates as it did before the sink.
 
+`--blocks`: the model runs attention in blocks and scores the completion columns only, as the runs' trainer predicts
+on this layout (without it, dense attention over the row). `--also-remat dots,none` (policy model): one more
+variant per policy, "stack dots" and "stack none", the same step under `model.remat` "dots" or "none", which take
+no sink (`models.sinks_layer_grads`): what rematerialising every layer, the sink's policy, costs against them.
+
 `--precision bfloat16`: bfloat16 weights and compute from float32 master weights (`model.master_dtype`), the
 accumulator float32, as `model.master_dtype="float32"` trains a bfloat16 model. Where its bfloat16 products run on
 oneDNN (`--cpu-matmul`, as `model.cpu_matmul`: `onednn.use_onednn`), a third variant, "cast in products", is the
@@ -25,6 +30,7 @@ Run:
     python benchmarks/bench_grad_sink.py --steps 3
     python benchmarks/bench_grad_sink.py --steps 3 --model critic
     python benchmarks/bench_grad_sink.py --steps 5 --precision bfloat16 --cpu-matmul auto
+    python benchmarks/bench_grad_sink.py --steps 3 --width 128 --micro 2 --blocks --also-remat dots,none
 """
 
 from __future__ import annotations
@@ -53,12 +59,25 @@ from feynrl_jax.train.critic import (  # noqa: E402
     value_loss,
 )
 from feynrl_jax.train.optimizer import make_optimizer  # noqa: E402
+from feynrl_jax.train.shared_prefix import shared_bounds  # noqa: E402
 from feynrl_jax.train.step import ParamsSpec, TrainStep, make_train_step, model_logprob_fn  # noqa: E402
 
 
 def options(parser) -> None:
     parser.add_argument("--model", choices=("policy", "critic"), default="policy")
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--also-remat",
+        default="",
+        help="policy model: comma-separated further model.remat policies (dots, none), each run as one more "
+        "variant, 'stack <policy>' (the ordinary scan under that policy: no sink), compared with 'sink'",
+    )
+    parser.add_argument(
+        "--blocks",
+        action="store_true",
+        help="policy model: attention in blocks and the prompt columns unscored, as the runs' trainer predicts on "
+        "this layout (`shared_prefix.shared_bounds`, `first_column`); default: dense attention, every column scored",
+    )
     parser.add_argument(
         "--cpu-matmul",
         choices=CPU_MATMUL_BACKENDS,
@@ -90,13 +109,26 @@ def main() -> None:
     config, master = dataclasses.replace(config, cpu_matmul=args.cpu_matmul), None
     if args.precision == "bfloat16":
         config, master = dataclasses.replace(config, param_dtype="bfloat16", compute_dtype="bfloat16"), "float32"
-    print(f"{args.model}, {args.precision} compute, model.cpu_matmul={args.cpu_matmul!r}", flush=True)
+    print(
+        f"{args.model}, {args.precision} compute, model.cpu_matmul={args.cpu_matmul!r}, model.remat='full'",
+        flush=True,
+    )
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
     optimizer, schedule = make_optimizer(1e-6, schedule="constant", weight_decay=0.01)
     step_options = dict(grad_accum=args.micro, learning_rate_fn=schedule, check_updated=False)
 
+    also = [policy for policy in args.also_remat.split(",") if policy]
+    if also and args.model != "policy" or set(also) - {"dots", "none"}:
+        raise SystemExit(f"--also-remat {args.also_remat!r}: policies of dots, none, for --model policy only")
+    bounds = shared_bounds(args.prompt, args.width) if args.blocks else None
+
+    def policy_predict(config):
+        if bounds is None:
+            return model_logprob_fn(config)
+        return model_logprob_fn(config, first_column=args.prompt, segment_bounds=bounds)
+
     if args.model == "policy":
-        sinking = model_logprob_fn(config)
+        sinking = policy_predict(config)
         loss, spec = ALGORITHMS["grpo"].make_loss(kl_coef=0.0), ParamsSpec.of_model(config)
     else:
         params = jax.tree.map(np.asarray, init_critic_params(params, config))
@@ -144,6 +176,10 @@ def main() -> None:
         "stack": lambda: build(lambda *a, **k: sinking(*a, **k)),  # the same function without the mark
     }
     assert builders["sink"]().sinks_layer_grads and not builders["stack"]().sinks_layer_grads
+    for policy in also:  # a predict under "dots" or "none" carries no sink mark (`sinks_layer_grads`)
+        other = policy_predict(dataclasses.replace(config, remat=policy))
+        builders[f"stack {policy}"] = lambda other=other: build(other)
+        assert not builders[f"stack {policy}"]().sinks_layer_grads
     tracing, sink_passes = {}, []
     if args.precision == "bfloat16":
         if onednn.use_onednn(config.cpu_matmul, config.compute_dtype, False):
@@ -167,6 +203,11 @@ def main() -> None:
             cast += f"; s/step {median['cast in products']:.2f} against {median['sink']:.2f}"
             cast += f", {median['cast in products'] / median['sink']:.2f}x"
         print(cast, flush=True)
+    for name in [name for name in temps if name.startswith("stack ")]:
+        line = f"{name} / sink: temp {temps[name] / temps['sink']:.2f}x"
+        if median:
+            line += f"; s/step {median[name]:.2f} against {median['sink']:.2f}, {median[name] / median['sink']:.2f}x"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

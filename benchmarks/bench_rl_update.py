@@ -16,10 +16,17 @@ limit. Three sides train SmolLM2-135M's architecture (random weights, float32, o
 Each reports real tokens (prompt + completion of every sample) per second of its update; the goal (#18) is
 `rl_packed >= 0.9 x plain`. The first step of each side compiles and is left out; the median of the others counts.
 
+`--also-remat dots,none` runs `rl_packed` again under each of those `model.remat` policies (`rl_packed_dots`, ...),
+after the other sides, and reports each one's speed against `rl_packed`'s (`speedup_<policy>_vs_remat`): on a CPU
+"auto" is "full", whose update adds each layer's gradient into its accumulator in place (`models.forward`'s
+`grad_sink`); the others keep more of the forward pass and take the layers' gradient as a stack of its own.
+`--kl-coef 0` drops the KL term and its reference model's pass, as `bench_grpo_vs_trl.py` runs GRPO.
+
 Usage:
     python benchmarks/bench_rl_update.py --max-new-tokens 64 --steps 4
     python benchmarks/bench_rl_update.py --max-new-tokens 128 --steps 4
     python benchmarks/bench_rl_update.py --max-new-tokens 128 --sides rl_packed,rl_dense   # what the blocks save
+    python benchmarks/bench_rl_update.py --max-new-tokens 128 --sides rl_packed --kl-coef 0 --also-remat dots,none
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from scratch import scratch_folder  # noqa: E402
 from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts  # noqa: E402
 
 PROMPT_WIDTH = 64
+REMATS = ("auto", "none", "full", "dots")
 SIDES = ("rl_packed", "rl_dense", "rl_unpacked", "plain")
 RATIOS = {
     "ratio_packed_vs_plain": ("rl_packed", "plain"),
@@ -84,10 +92,14 @@ def real_tokens(rollouts: Rollouts) -> int:
     return int(rollouts.prompt_lengths.sum() + rollouts.completion_mask.sum())
 
 
-def rl_config(args, workdir: str, pack: bool, name: str):
+def rl_config(args, workdir: str, pack: bool, name: str, remat: str | None = None):
+    """The RL side's config; `remat`: its `model.remat` (None: `--remat`)."""
     import tiny_rl
 
     config = tiny_rl.get_config("grpo")
+    if args.kl_coef is not None:
+        config.algo.kl_coef = args.kl_coef
+        config.algo.reference = "initial" if args.kl_coef else "none"
     config.run_dir = os.path.join(workdir, name)
     for key, value in SMOLLM2_135M.items():
         if key != "rope_theta":
@@ -105,20 +117,24 @@ def rl_config(args, workdir: str, pack: bool, name: str):
     config.checkpoint.every_steps = 0
     config.optim.lr = 1e-6
     config.model.compute_dtype = args.precision  # float32 weights (and masters) either way
-    config.model.remat = args.remat
+    config.model.remat = args.remat if remat is None else remat
     return config
 
 
-def run_rl(args, workdir: str, pack: bool, blocks: bool = True) -> dict:
-    """One RL side; `blocks=False` forces dense attention on every row."""
+def run_rl(args, workdir: str, pack: bool, blocks: bool = True, remat: str | None = None) -> dict:
+    """One RL side; `blocks=False` forces dense attention on every row; `remat`: `model.remat` (None: `--remat`)."""
     from feynrl_jax.models import SegmentBounds
     from feynrl_jax.train.rl_trainer import RLTrainer
 
-    name = ("packed" if pack else "unpacked") + ("" if blocks else "_dense")
+    name = ("packed" if pack else "unpacked") + ("" if blocks else "_dense") + (f"_{remat}" if remat else "")
     with contextlib.ExitStack() as stack:
         if not blocks:
             stack.enter_context(mock.patch.object(SegmentBounds, "pays", lambda *_: False))
-        return _train_rl(args, RLTrainer(rl_config(args, workdir, pack, name)))
+        trainer = RLTrainer(rl_config(args, workdir, pack, name, remat))
+        result = _train_rl(args, trainer)
+        result["remat"] = trainer.model_config.resolved_remat()
+        result["sinks_layer_grads"] = trainer.train_step.sinks_layer_grads
+        return result
 
 
 def _train_rl(args, trainer) -> dict:
@@ -202,13 +218,27 @@ def main() -> None:
     parser.add_argument("--micro-tokens", type=int, default=1024, help="token slots per micro-batch (all sides)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    parser.add_argument("--remat", choices=("auto", "none", "full", "dots"), default="auto", help="model.remat")
+    parser.add_argument("--remat", choices=REMATS, default="auto", help="model.remat")
+    parser.add_argument(
+        "--also-remat",
+        default="",
+        help=f"comma-separated, of {REMATS}: rl_packed again under each model.remat (rl_packed_<policy>)",
+    )
+    parser.add_argument(
+        "--kl-coef",
+        type=float,
+        default=None,
+        help="algo.kl_coef of the RL sides (0: no reference model's pass); default: the tiny GRPO config's",
+    )
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {SIDES} (rl_packed always)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     sides = set(args.sides.split(",")) | {"rl_packed"}
     if sides - set(SIDES):
         parser.error(f"--sides: unknown {sorted(sides - set(SIDES))}; expected some of {SIDES}")
+    also_remat = [policy for policy in args.also_remat.split(",") if policy]
+    if set(also_remat) - set(REMATS):
+        parser.error(f"--also-remat: unknown {sorted(set(also_remat) - set(REMATS))}; expected some of {REMATS}")
     result = {
         "model": f"SmolLM2-135M architecture (random weights, float32), {args.precision} compute, one CPU device",
         "cpu": os.popen("lscpu | grep 'Model name' | cut -d: -f2").read().strip(),
@@ -222,10 +252,14 @@ def main() -> None:
             "plain": lambda: run_plain(args),
         }
         result |= {side: run() for side, run in runs.items() if side in sides}
+        for policy in also_remat:
+            result[f"rl_packed_{policy}"] = run_rl(args, workdir, pack=True, remat=policy)
     rate = {side: result[side]["tokens_per_second"] for side in SIDES if side in result}
     for name, (a, b) in RATIOS.items():
         if a in rate and b in rate:
             result[name] = rate[a] / rate[b]
+    for policy in also_remat:
+        result[f"speedup_{policy}_vs_remat"] = result[f"rl_packed_{policy}"]["tokens_per_second"] / rate["rl_packed"]
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
