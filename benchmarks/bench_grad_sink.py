@@ -109,10 +109,7 @@ def main() -> None:
     config, master = dataclasses.replace(config, cpu_matmul=args.cpu_matmul), None
     if args.precision == "bfloat16":
         config, master = dataclasses.replace(config, param_dtype="bfloat16", compute_dtype="bfloat16"), "float32"
-    print(
-        f"{args.model}, {args.precision} compute, model.cpu_matmul={args.cpu_matmul!r}, model.remat='full'",
-        flush=True,
-    )
+    print(f"{args.model}, {args.precision} compute, model.cpu_matmul={args.cpu_matmul!r}", flush=True)
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
     optimizer, schedule = make_optimizer(1e-6, schedule="constant", weight_decay=0.01)
     step_options = dict(grad_accum=args.micro, learning_rate_fn=schedule, check_updated=False)
@@ -197,13 +194,7 @@ def main() -> None:
         summary += f"; s/step {median['sink']:.2f} against {median['stack']:.2f}"
         summary += f", {median['sink'] / median['stack']:.2f}x; params' largest difference {difference:.1e}"
     print(summary, flush=True)
-    if "cast in products" in temps:
-        cast = f"cast in products / sink: temp {temps['cast in products'] / temps['sink']:.2f}x"
-        if median:
-            cast += f"; s/step {median['cast in products']:.2f} against {median['sink']:.2f}"
-            cast += f", {median['cast in products'] / median['sink']:.2f}x"
-        print(cast, flush=True)
-    for name in [name for name in temps if name.startswith("stack ")]:
+    for name in [name for name in temps if name == "cast in products" or name.startswith("stack ")]:
         line = f"{name} / sink: temp {temps[name] / temps['sink']:.2f}x"
         if median:
             line += f"; s/step {median[name]:.2f} against {median['sink']:.2f}, {median[name] / median['sink']:.2f}x"

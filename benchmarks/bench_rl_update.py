@@ -52,10 +52,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_lora import SMOLLM2_135M  # noqa: E402
 from scratch import scratch_folder  # noqa: E402
 
+from feynrl_jax.models.config import REMAT_POLICIES  # noqa: E402
 from feynrl_jax.rollout.types import FINISH_LENGTH, FINISH_STOP, Rollouts  # noqa: E402
 
 PROMPT_WIDTH = 64
-REMATS = ("auto", "none", "full", "dots")
 SIDES = ("rl_packed", "rl_dense", "rl_unpacked", "plain")
 RATIOS = {
     "ratio_packed_vs_plain": ("rl_packed", "plain"),
@@ -218,11 +218,11 @@ def main() -> None:
     parser.add_argument("--micro-tokens", type=int, default=1024, help="token slots per micro-batch (all sides)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    parser.add_argument("--remat", choices=REMATS, default="auto", help="model.remat")
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default="auto", help="model.remat")
     parser.add_argument(
         "--also-remat",
         default="",
-        help=f"comma-separated, of {REMATS}: rl_packed again under each model.remat (rl_packed_<policy>)",
+        help=f"comma-separated, of {REMAT_POLICIES}: rl_packed again under each model.remat (rl_packed_<policy>)",
     )
     parser.add_argument(
         "--kl-coef",
@@ -237,8 +237,8 @@ def main() -> None:
     if sides - set(SIDES):
         parser.error(f"--sides: unknown {sorted(sides - set(SIDES))}; expected some of {SIDES}")
     also_remat = [policy for policy in args.also_remat.split(",") if policy]
-    if set(also_remat) - set(REMATS):
-        parser.error(f"--also-remat: unknown {sorted(set(also_remat) - set(REMATS))}; expected some of {REMATS}")
+    if unknown := sorted(set(also_remat) - set(REMAT_POLICIES)):
+        parser.error(f"--also-remat: unknown {unknown}; expected some of {REMAT_POLICIES}")
     result = {
         "model": f"SmolLM2-135M architecture (random weights, float32), {args.precision} compute, one CPU device",
         "cpu": os.popen("lscpu | grep 'Model name' | cut -d: -f2").read().strip(),

@@ -64,7 +64,7 @@ def step_setup(
     batch = shared_prefix_batch(config.vocab_size, args.micro, prompt=args.prompt, group=args.group, width=args.width)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     print(
-        f"SmolLM2-135M shapes, random weights, float32; {args.micro} micro-batches of one row of "
+        f"SmolLM2-135M shapes, random weights, float32, remat full; {args.micro} micro-batches of one row of "
         f"{args.prompt} + {args.group} x {args.width} columns; params {param_bytes / 2**30:.2f} GiB",
         flush=True,
     )
@@ -110,7 +110,6 @@ def compare_steps(
 
 def main() -> None:
     args, config, params, batch, mesh = step_setup(__doc__)
-    print("model.remat='full'", flush=True)
 
     def build(check_updated: bool) -> TrainStep:
         optimizer, schedule = make_optimizer(1e-6, schedule="constant", weight_decay=0.01)
