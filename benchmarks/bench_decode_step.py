@@ -13,6 +13,11 @@ native engine's layout).
 included) in both layouts, and in the per-layer one attending only to the power-of-two cache prefix that the
 rows reach (`--live-len`), as the engine does while its sequences are shorter than the cache.
 
+`--prefix-reads` times the engine's decode dispatch with oneDNN's products (`model.cpu_matmul="onednn"`) attending to
+the cache prefix that its rows reach (`--live-len`) three ways, taking turns: reading the prefix where it lies in the
+cache (`onednn.cache_dot`, what the decoder runs), copying it out first and multiplying the copy (how attention read
+it before `cache_dot`: an XLA slice, then `onednn.dot`), and attending to the whole cache.
+
 `--backends xla,onednn` also times the per-layer step with each backend of the model's products
 (`model.cpu_matmul` forced, `feynrl_jax/kernels/onednn.py`) at batches `--backend-batches`, the backends taking
 turns: what "auto" decides for decode steps by a measurement of their own (`onednn.auto_choice`'s `one_token`).
@@ -20,11 +25,13 @@ turns: what "auto" decides for decode steps by a measurement of their own (`oned
 Run:
     python benchmarks/bench_decode_step.py --batch 32 --cache-len 256 --steps 10 [--dispatch-steps 8 --live-len 128]
     python benchmarks/bench_decode_step.py --backends xla,onednn --backend-batches 32,8 --steps 20
+    python benchmarks/bench_decode_step.py --prefix-reads --batch 32 --cache-len 256 --live-len 128 --dispatch-steps 8
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -60,9 +67,14 @@ def main():
     parser.add_argument("--live-len", type=int, default=0, help="dispatch rows reach positions < this (0: S)")
     parser.add_argument("--backends", default="", help="time the per-layer step with each product backend instead")
     parser.add_argument("--backend-batches", default="32,8", help="with --backends: the batches, comma-separated")
+    parser.add_argument(
+        "--prefix-reads", action="store_true", help="time attention's cache prefix read in place against copied"
+    )
     args = parser.parse_args()
     if args.backends:
         return time_backends(args)
+    if args.prefix_reads:
+        return time_prefix_reads(args)
 
     config = ModelConfig.from_hf(smollm2_checkpoint_dir())
     params = init_params(config, jax.random.PRNGKey(0))
@@ -220,6 +232,90 @@ def time_backends(args) -> None:
         line = ", ".join(f"{backend} {median * 1e3:.1f} ms" for backend, median in medians.items())
         ratio = f"; xla / onednn = {medians['xla'] / medians['onednn']:.2f}" if len(medians) == 2 else ""
         print(f"  batch {batch}: {line} (medians){ratio}")
+
+
+@contextlib.contextmanager
+def copied_prefix():
+    """While open, `onednn.cache_dot` copies the cache prefix out and multiplies the copy (`onednn.dot`), as
+    attention did before it read the prefix in place: what a function traced meanwhile runs."""
+    from feynrl_jax.kernels import onednn
+
+    in_place = onednn.cache_dot
+
+    def copied(a, cache, length, keys, out_dtype=None):
+        prefix = cache[..., :length] if keys else cache[..., :length, :]
+        return onednn.dot(a, prefix, False, a.dtype if out_dtype is None else out_dtype)
+
+    onednn.cache_dot = copied
+    try:
+        yield
+    finally:
+        onednn.cache_dot = in_place
+
+
+def time_prefix_reads(args, repeats: int = 6) -> None:
+    """The engine's decode dispatch (greedy, `--dispatch-steps` steps, per-layer params and cache) with oneDNN's
+    products, the rows below `--live-len` of a `--cache-len` cache: attending to the prefix they reach read in place,
+    the same prefix copied out first, and the whole cache, taking turns; medians over `repeats` dispatches each."""
+    from feynrl_jax.kernels import onednn
+
+    if onednn.problem():
+        raise SystemExit(f"--prefix-reads: {onednn.problem()}")
+    config = dataclasses.replace(
+        ModelConfig.from_hf(smollm2_checkpoint_dir()),
+        param_dtype="float32",
+        compute_dtype="float32",
+        cpu_matmul="onednn",
+    )
+    params = unstack_layers(init_params(config, jax.random.PRNGKey(0)))
+    batch, cache_len, steps = args.batch, args.cache_len, max(args.dispatch_steps, 1)
+    live_len = args.live_len or cache_len // 2
+    attend_len = pick_bucket(bucket_lengths(min(128, cache_len), cache_len), live_len)
+    if attend_len >= cache_len:
+        raise SystemExit(f"--live-len {live_len}: its bucket ({attend_len}) is the whole cache; nothing to slice")
+    heads = (config.num_layers, batch, config.num_kv_heads)
+    cache = KVCache(
+        k=jax.random.normal(jax.random.PRNGKey(1), (*heads, config.head_dim, cache_len)),
+        v=jax.random.normal(jax.random.PRNGKey(2), (*heads, cache_len, config.head_dim)),
+    ).unstack()
+    positions = np.linspace(0, live_len - steps, batch).astype(np.int32)
+    extra = (jnp.zeros((0,), jnp.int32), jnp.float32(1.0), jnp.float32(1.0), jnp.int32(0))
+    runs = {  # name: [dispatch, state, attend_len, context]
+        "prefix in place": [attend_len, contextlib.nullcontext],
+        "prefix copied": [attend_len, copied_prefix],
+        "whole cache": [None, contextlib.nullcontext],
+    }
+    for name, (length, context) in runs.items():
+        dispatch = jax.jit(
+            functools.partial(decode_dispatch, config=config, steps=steps, greedy=True, top_k=0, use_top_p=False),
+            static_argnames="attend_len",
+            donate_argnums=1,
+        )
+        runs[name] = [dispatch, decode_state(jax.tree.map(jnp.copy, cache), positions, cache_len), length, context]
+    times = {name: [] for name in runs}
+    tokens = {}
+    for repeat in range(repeats + 1):  # the first round compiles
+        for name, run in runs.items():
+            dispatch, state, length, context = run
+            start = time.perf_counter()
+            with context():
+                state, tokens[name], *_ = dispatch(
+                    params, state._replace(positions=jnp.asarray(positions)), *extra, attend_len=length
+                )
+                jax.block_until_ready((state, tokens[name]))
+            run[1] = state
+            if repeat:
+                times[name].append((time.perf_counter() - start) / steps)
+    same = all(np.array_equal(tokens[name], tokens["prefix in place"]) for name in tokens)
+    print(f"SmolLM2-135M shapes, float32, oneDNN products, B={batch}, cache length {cache_len}")
+    print(
+        f"engine decode dispatch: {steps} steps, greedy, rows at positions 0..{live_len - 1}, attend_len={attend_len}"
+    )
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    for name, median in medians.items():
+        ratio = medians[name] / medians["prefix in place"]
+        print(f"  {name}: {median * 1e3:.1f} ms/step median, / prefix in place = {ratio:.2f}")
+    print(f"  greedy tokens the same in all three: {same}")
 
 
 if __name__ == "__main__":

@@ -294,9 +294,15 @@ def test_dot_cast_is_dot_of_the_cast_weight_with_a_float32_weight_gradient(bf16_
     bf16_library(True)  # the product and `a`'s gradient give bf16 results
 
 
+@pytest.mark.parametrize("cache", ["whole", "prefix"])
 @pytest.mark.parametrize("dtype", [BF16, jnp.float32])
-def test_attention_products_in_onednn_against_float64(bf16_library, dtype):
+def test_attention_products_in_onednn_against_float64(bf16_library, dtype, cache):
     """`attention.attend` with its two products in oneDNN, against float64 attention of the same inputs.
+
+    "prefix": the keys and values are the first positions of a longer cache (`length`, a decode step's `attend_len`),
+    whose later positions hold NaN: oneDNN reads the prefix where it lies (`onednn.cache_dot`, no copy) and nothing
+    past it, so the bound below holds unchanged. XLA's products read a copy of the prefix: the same values as
+    attending to the unpadded arrays.
 
     bfloat16: the pass rounds the scaled queries to bfloat16 (as XLA's bfloat16 pass does; the reference starts from
     the same rounded values), the probabilities to bfloat16 before the second product (U relative to each term of
@@ -317,10 +323,19 @@ def test_attention_products_in_onednn_against_float64(bf16_library, dtype):
         _normal(rng, (b, kv, t, dh), dtype),
     )
     mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))
-    text = jax.jit(lambda *a: attention.attend(*a, True)).lower(q, k, v, mask).as_text()
-    assert text.count(onednn.TARGET) == 2
-    assert jax.jit(lambda *a: attention.attend(*a, False)).lower(q, k, v, mask).as_text().count(onednn.TARGET) == 0
-    out = jax.jit(lambda *a: attention.attend(*a, True))(q, k, v, mask)
+    length, kc, vc = None, k, v  # the cache attended to
+    if cache == "prefix":  # 8 more positions of NaN after the t attended
+        length = t
+        kc = jnp.concatenate([k, jnp.full((b, kv, dh, 8), jnp.nan, dtype)], axis=3)
+        vc = jnp.concatenate([v, jnp.full((b, kv, 8, dh), jnp.nan, dtype)], axis=2)
+        xla = jax.jit(lambda *a: attention.attend(*a, False))(q, k, v, mask)
+        prefix = jax.jit(lambda *a: attention.attend(*a, False, length))(q, kc, vc, mask)
+        np.testing.assert_array_equal(np.asarray(prefix, np.float32), np.asarray(xla, np.float32))
+    text = jax.jit(lambda *a: attention.attend(*a, True, length)).lower(q, kc, vc, mask).as_text()
+    assert (text.count(onednn.TARGET), text.count(onednn.CACHE_MATMUL_TARGET)) == ((0, 2) if length else (2, 0))
+    text = jax.jit(lambda *a: attention.attend(*a, False, length)).lower(q, kc, vc, mask).as_text()
+    assert text.count(onednn.TARGET) == text.count(onednn.CACHE_MATMUL_TARGET) == 0
+    out = jax.jit(lambda *a: attention.attend(*a, True, length))(q, kc, vc, mask)
     assert out.dtype == dtype
     out = _f64(out)
     # float64 reference: query head `i` uses KV head `i // (h / kv)`.
@@ -380,6 +395,38 @@ def test_cache_write_is_the_scatter_it_replaces(kernel, dtype, keys):
     np.testing.assert_array_equal(np.asarray(donated(jnp.copy(one), update, index, 0, rows=rows)), want)
     with pytest.raises(Exception, match="cache_write: the shapes of cache, update and index do not agree"):
         jax.block_until_ready(write(cache, update[:, :2], index, 0))
+
+
+@pytest.mark.parametrize("length", [1, 13, 24])
+@pytest.mark.parametrize(
+    ("in_dtype", "out_dtype"),
+    [
+        pytest.param(jnp.bfloat16, jnp.bfloat16, marks=needs_bf16_products, id="bfloat16-bfloat16"),
+        pytest.param(jnp.bfloat16, jnp.float32, marks=needs_bf16_products, id="bfloat16-float32"),
+        (jnp.float32, jnp.float32),
+    ],
+)
+def test_cache_dot_multiplies_the_first_positions_where_they_lie(kernel, in_dtype, out_dtype, length):
+    """`onednn.cache_dot`: `a` times the first `length` of S = 24 positions of a cache's keys `[B, K, Dh, S]` and
+    values `[B, K, S, Dh]` (batch and KV head leading), against float64 (`_bound`). The positions after `length` hold
+    NaN: a product that read one would be NaN. `length = S` is the whole cache. Shapes that do not fit are refused."""
+    rng = np.random.default_rng(3)
+    batch, dh, s = (3, 2), 16, 24
+    keys = np.array(_normal(rng, (*batch, dh, s), in_dtype), np.float32)
+    values = np.array(_normal(rng, (*batch, s, dh), in_dtype), np.float32)
+    keys[..., length:], values[..., length:, :] = np.nan, np.nan
+    keys, values = jnp.asarray(keys, in_dtype), jnp.asarray(values, in_dtype)
+    q, probs = _normal(rng, (*batch, 5, dh), in_dtype), _normal(rng, (*batch, 5, length), in_dtype)
+    for a, cache, is_keys in ((q, keys, True), (probs, values, False)):
+        prefix = cache[..., :length] if is_keys else cache[..., :length, :]
+        out = jax.jit(lambda a, c, k=is_keys: onednn.cache_dot(a, c, length, k, out_dtype))(a, cache)
+        assert out.dtype == out_dtype and out.shape == (*batch, 5, length if is_keys else dh)
+        error = np.abs(_f64(out) - _f64(a) @ _f64(prefix))
+        assert (error <= _bound(a, prefix, out_dtype)).all(), (is_keys, error.max())
+    with pytest.raises(ValueError, match="the first 25 positions of the cache"):
+        onednn.cache_dot(q, keys, 25, True, out_dtype)
+    with pytest.raises(ValueError, match=r"the first 7 positions of the cache"):
+        onednn.cache_dot(probs, values, 7, False, out_dtype)  # probs has `length` columns, not 7
 
 
 def test_kernel_refuses_mismatched_operands(kernel):
@@ -727,6 +774,14 @@ _ONE_DEVICE = textwrap.dedent(
     out["choice_decode_f32"] = onednn.auto_choice("float32", one_token=True)
     forced = step(dataclasses.replace(base, cpu_matmul="onednn")).as_text().count(onednn.TARGET)
     assert forced == 10, forced
+    # Attending to the cache's first 16 of 32 positions (the engine's `attend_len`): attention's two products read
+    # that prefix in place (`onednn.cache_dot`); with per-layer params and cache, as the engine decodes, in each layer.
+    from feynrl_jax.models import unstack_layers
+    forced = dataclasses.replace(base, cpu_matmul="onednn")
+    prefix_step = jax.jit(lambda p, c: decoder.logits(p, decoder.forward(
+        p, tokens[:, :1], positions[:, :1], config=forced, cache=c, attend_len=16)[0], config=forced))
+    text = prefix_step.lower(unstack_layers(params), cache.unstack()).as_text()
+    out["prefix_calls"] = [text.count(onednn.TARGET), text.count(onednn.CACHE_MATMUL_TARGET)]
     out["blocked_calls"] = jax.jit(lambda p: decoder.forward(
         p, jnp.tile(tokens, (1, 2)), segment_positions,
         config=blocked, segment_ids=ids, segment_bounds=bounds)[0]).lower(params).as_text().count(onednn.TARGET)
@@ -871,6 +926,9 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
     assert f"decode steps' products by {decode_backend} (oneDNN measured at" in result["log_f32"], result["log_f32"]
     # A float32 decode step follows the decode measurement: all 10 products in oneDNN or none.
     assert result["decode_f32_calls"] == (10 if result["choice_decode_f32"]["onednn"] else 0), result
+    # Per layer (2 here): 7 projections and 2 products reading the cache's first positions in place, + the output
+    # projection.
+    assert result["prefix_calls"] == [2 * 7 + 1, 2 * 2], result
     # float32: the same calls. Both backends multiply float32 operands and accumulate in float32, in different
     # orders, so oneDNN's distance to float64 is held to XLA's own, doubled, plus a margin of K U with K = 384,
     # the longest contraction here (the tied output projection's input gradient sums over the vocabulary): one

@@ -22,7 +22,9 @@ process loads it (and libtorch_cpu) only when it first stages such a product (`_
 operand or result stay here, as do all products where it is not built or was built for another PyTorch.
 
 The library also writes a decode step's keys and values into a bfloat16 KV cache in place (`cache_write`, its second
-FFI target), for the bfloat16 cache a model keeps where its decode products run here (`decoder.cache_dtype`).
+FFI target), for the bfloat16 cache a model keeps where its decode products run here (`decoder.cache_dtype`), and
+multiplies by the first positions of a KV cache where they lie (`cache_dot`, its third): attention to the prefix of
+the cache that a decode step's rows reached, without the copy of that prefix XLA makes for a product.
 
 `model.cpu_matmul` picks the backend of the decoder's projections, attention's two batched products and the output
 projection (`decoder.forward`, `attention.attend`, `decoder.logits`), for a bfloat16 or float32 compute dtype:
@@ -83,6 +85,7 @@ ATEN_SOURCE = Path(__file__).with_name("aten_matmul.cc")
 LIBRARY = ONEDNN_LIBRARY
 TARGET = "feynrl_onednn_matmul"
 CACHE_WRITE_TARGET = "feynrl_cache_write"
+CACHE_MATMUL_TARGET = "feynrl_onednn_cache_matmul"
 """The library's second FFI target: a KV cache write in place (`cache_write`)."""
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 """/proc/cpuinfo flags of bfloat16 matrix instructions oneDNN uses."""
@@ -265,6 +268,8 @@ def _load() -> tuple[bool, str]:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.FeynrlOnednnMatmul), platform="cpu")
         write = jax.ffi.pycapsule(library.FeynrlCacheWrite)
         jax.ffi.register_ffi_target(CACHE_WRITE_TARGET, write, platform="cpu")
+        cache_matmul = jax.ffi.pycapsule(library.FeynrlCacheMatmul)
+        jax.ffi.register_ffi_target(CACHE_MATMUL_TARGET, cache_matmul, platform="cpu")
         _REGISTERED.add(TARGET)
         _KERNEL[:] = [library]  # XLA keeps calling this one
     return True, ""
@@ -688,6 +693,41 @@ def cache_write(
     rows = jnp.arange(update.shape[0], dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
     index, layer = jnp.asarray(index, jnp.int32), jnp.asarray(layer, jnp.int32)
     return call(cache, update.astype(cache.dtype), index, rows, layer, keys_transposed=np.int64(keys_transposed))
+
+
+def cache_dot(a: jax.Array, cache: jax.Array, length: int, keys: bool, out_dtype=None) -> jax.Array:
+    """`a` times the first `length` positions of one layer's KV cache, by oneDNN reading them where they lie:
+    `a [..., M, Dh] @ cache[..., :, :length]` for the keys' `cache [..., Dh, S]` (`keys`; the result `[..., M,
+    length]`), `a [..., M, length] @ cache[..., :length, :]` for the values' `cache [..., S, Dh]` (`[..., M, Dh]`).
+
+    The same product as `dot(a, <that prefix>)`, without the prefix's copy: XLA materialises a slice that feeds a
+    custom call, and in a float32 decode step of SmolLM2-135M (32 rows attending to 128 of 256 cache positions,
+    2-core AMD EPYC with AVX2) those copies took as long as attention's products themselves
+    (`benchmarks/bench_decode_step.py --prefix-reads`). Leading axes, the same in both operands, index a batch of
+    products (batch and KV head). `a` and `cache` share one dtype (bfloat16 or float32), `out_dtype` as in `dot`. No
+    gradient (decoding only).
+    """
+    loaded, why = _load()
+    if not loaded:
+        raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
+    out_dtype = a.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    rows, cols = cache.shape[-2:]
+    used = (rows, length) if keys else (length, cols)
+    if (
+        a.ndim != cache.ndim
+        or a.ndim < 2
+        or a.shape[:-2] != cache.shape[:-2]
+        or a.shape[-1] != used[0]
+        or not 0 < length <= (cols if keys else rows)
+    ):
+        raise ValueError(f"onednn.cache_dot: {a.shape} @ the first {length} positions of the cache {cache.shape}")
+    if a.dtype == jnp.float32 and out_dtype != jnp.float32:
+        raise ValueError(f"onednn.cache_dot: float32 operands give a float32 result, not {out_dtype.name}")
+    batch, m = a.shape[:-2], a.shape[-2]
+    a, cache = a.reshape(math.prod(batch), *a.shape[-2:]), cache.reshape(math.prod(batch), rows, cols)
+    out = jax.ShapeDtypeStruct((a.shape[0], m, used[1]), out_dtype)
+    call = jax.ffi.ffi_call(CACHE_MATMUL_TARGET, out, vmap_method="sequential")
+    return call(a, cache, keys_transposed=np.int64(keys)).reshape(*batch, m, used[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

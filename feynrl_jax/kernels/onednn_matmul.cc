@@ -16,7 +16,8 @@
 // where PyTorch is not installed, run here.
 //
 // A second target, `feynrl_cache_write` (`CacheWrite`), writes a decode step's keys and values into a bfloat16 KV
-// cache in place (onednn.cache_write).
+// cache in place (onednn.cache_write). A third, `feynrl_onednn_cache_matmul` (`CacheMatmul`), multiplies by the first
+// positions of a KV cache's keys or values where they lie, without copying that prefix out first (onednn.cache_dot).
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -60,7 +61,9 @@ std::atomic<int64_t> aten_min_macs{0};
 // descriptor costs tens of microseconds, as much as a decode step's small products themselves. Per thread, because
 // a oneDNN primitive must not run on two threads at once (its scratchpad is its own; this build does not enable
 // concurrent execution), and XLA runs independent products of one shape (gate and up, k and v) concurrently.
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, int, int>;
+// The last two elements are b's batch and row strides where b is a prefix of longer blocks (`CacheMatmul`), 0 where b
+// is dense.
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool, bool, int, int, int64_t, int64_t>;
 
 dnnl::matmul cached_matmul(const Key& key, const dnnl::memory::desc& a_md, const dnnl::memory::desc& b_md,
                            const dnnl::memory::desc& out_md) {
@@ -81,6 +84,27 @@ dnnl::memory::desc view(int64_t batch, int64_t rows, int64_t cols, dnnl::memory:
   dnnl::memory::dims strides = trans ? dnnl::memory::dims{1, rows} : dnnl::memory::dims{cols, 1};
   if (batch == 0) return dnnl::memory::desc({rows, cols}, type, strides);
   return dnnl::memory::desc({batch, rows, cols}, type, {rows * cols, strides[0], strides[1]});
+}
+
+// Runs `out = a @ b` over the given views of the three buffers with the primitive cached for `key`; oneDNN's
+// errors become the FFI error `name: ...`.
+ffi::Error Execute(const char* name, const Key& key, const dnnl::memory::desc& a_md, const dnnl::memory::desc& b_md,
+                   const dnnl::memory::desc& out_md, void* a, void* b, void* out) {
+  try {
+    dnnl::engine& engine = cpu_engine();
+    dnnl::matmul matmul = cached_matmul(key, a_md, b_md, out_md);
+    dnnl::memory a_mem(a_md, engine, a);
+    dnnl::memory b_mem(b_md, engine, b);
+    dnnl::memory out_mem(out_md, engine, out);
+    thread_local dnnl::stream stream(engine);
+    matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, out_mem}});
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string(name) + ": " + e.what());
+  } catch (const std::exception& e) {  // nothing may cross the FFI boundary
+    return ffi::Error::Internal(std::string(name) + ": " + e.what());
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, int64_t trans_a,
@@ -128,27 +152,47 @@ ffi::Error Matmul(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer
     }
     return ffi::Error::Success();
   }
-  try {
-    dnnl::engine& engine = cpu_engine();
-    auto a_md = view(batch, m, k, in_type, trans_a);
-    auto b_md = view(batch, k, n, in_type, trans_b);
-    auto out_md = view(batch, m, n, out_type, false);
-    Key key{batch, m, k, n, trans_a != 0, trans_b != 0, static_cast<int>(in_type), static_cast<int>(out_type)};
-    dnnl::matmul matmul = cached_matmul(key, a_md, b_md, out_md);
-    dnnl::memory a_mem(a_md, engine, a.untyped_data());
-    dnnl::memory b_mem(b_md, engine, b.untyped_data());
-    dnnl::memory out_mem(out_md, engine, out->untyped_data());
-    thread_local dnnl::stream stream(engine);
-    matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, out_mem}});
-    stream.wait();
-  } catch (const dnnl::error& e) {
-    return ffi::Error::Internal(std::string("onednn_matmul: ") + e.what());
-  } catch (const std::exception& e) {  // nothing may cross the FFI boundary
-    return ffi::Error::Internal(std::string("onednn_matmul: ") + e.what());
-  }
-  return ffi::Error::Success();
+  Key key{batch, m, k, n, trans_a != 0, trans_b != 0, static_cast<int>(in_type), static_cast<int>(out_type), 0, 0};
+  return Execute("onednn_matmul", key, view(batch, m, k, in_type, trans_a), view(batch, k, n, in_type, trans_b),
+                 view(batch, m, n, out_type, false), a.untyped_data(), b.untyped_data(), out->untyped_data());
 }
 
+
+// `out [Bt, M, N] = a [Bt, M, Ka] @ b`, where b is the first positions of one layer's KV cache blocks, read where they
+// lie: the keys' `cache [Bt, Dh, S]` (`keys_transposed`; Ka = Dh, b = cache[:, :, :N]) or the values' `cache [Bt, S,
+// Dh]` (Ka <= S, N = Dh, b = cache[:, :Ka, :]). A decode step attends to the cache's first positions only (those its
+// rows reached); XLA would copy them out for a product, about as long as the product itself.
+ffi::Error CacheMatmul(ffi::AnyBuffer a, ffi::AnyBuffer cache, ffi::Result<ffi::AnyBuffer> out,
+                       int64_t keys_transposed) {
+  if (a.dimensions().size() != 3 || cache.dimensions().size() != 3 || out->dimensions().size() != 3) {
+    return ffi::Error::InvalidArgument("onednn_cache_matmul: operands and result must be 3-D");
+  }
+  const int64_t batch = a.dimensions()[0], m = a.dimensions()[1], k = a.dimensions()[2];
+  const int64_t rows = cache.dimensions()[1], cols = cache.dimensions()[2], n = out->dimensions()[2];
+  // The product's b: [k, n] read with row stride `cols` from the cache block of [rows, cols].
+  const bool fits = keys_transposed ? (k == rows && n <= cols) : (k <= rows && n == cols);
+  if (cache.dimensions()[0] != batch || out->dimensions()[0] != batch || out->dimensions()[1] != m || !fits) {
+    return ffi::Error::InvalidArgument("onednn_cache_matmul: shapes do not agree: [" + std::to_string(batch) + ", " +
+                                       std::to_string(m) + ", " + std::to_string(k) + "] @ cache [" +
+                                       std::to_string(cache.dimensions()[0]) + ", " + std::to_string(rows) + ", " +
+                                       std::to_string(cols) + "] -> " + std::to_string(n) + " columns");
+  }
+  dnnl::memory::data_type in_type, out_type;
+  if (a.element_type() != cache.element_type() || !dnnl_type(a.element_type(), &in_type) ||
+      !dnnl_type(out->element_type(), &out_type)) {
+    return ffi::Error::InvalidArgument(
+        "onednn_cache_matmul: operands must both be bf16 or f32, the result bf16 or f32");
+  }
+  if (batch == 0 || m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  const dnnl::memory::desc b_md({batch, k, n}, in_type, {rows * cols, cols, 1});
+  Key key{batch, m, k, n, false, false, static_cast<int>(in_type), static_cast<int>(out_type), rows * cols, cols};
+  return Execute("onednn_cache_matmul", key, view(batch, m, k, in_type, false), b_md,
+                 view(batch, m, n, out_type, false), a.untyped_data(), cache.untyped_data(), out->untyped_data());
+}
 
 // The cache write's loop (`CacheWrite`), over elements of the cache's width.
 struct WriteShape {
@@ -235,6 +279,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlOnednnMatmul, Matmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("trans_a")
                                   .Attr<int64_t>("trans_b"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlCacheMatmul, CacheMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("keys_transposed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FeynrlCacheWrite, CacheWrite,
                               ffi::Ffi::Bind()

@@ -78,7 +78,14 @@ def round_to(x: jnp.ndarray, dtype) -> jnp.ndarray:
     return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, use_onednn: bool = False) -> jnp.ndarray:
+def attend(
+    q: jnp.ndarray,
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    mask: jnp.ndarray,
+    use_onednn: bool = False,
+    length: int | None = None,
+) -> jnp.ndarray:
     """Scaled dot-product attention; the softmax runs in float32.
 
     Args:
@@ -86,25 +93,34 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, us
         k: `[B, K, Dh, S]` keys, transposed (the KV cache's layout), K dividing H (query head `h` uses key head
             `h // (H / K)`); q's dtype or a wider one (`decoder.cache_dtype`) holding values of q's dtype.
         v: `[B, K, S, Dh]` values, in k's dtype.
-        mask: `[B, T, S]` bool, True where attending is allowed.
+        mask: `[B, T, S]` bool, True where attending is allowed (`[B, T, length]` with `length`).
         use_onednn: the two batched products run in oneDNN (`feynrl_jax.kernels.onednn`, the decoder's
             `model.cpu_matmul` choice) when q, k and v share one dtype (bfloat16 or float32): scores accumulate in
             float32 as XLA's do (bfloat16 on the CPU's bf16 instructions instead of XLA:CPU's float32 rate). A wider
             cache than q keeps XLA.
+        length: attend to the first `length` of the S positions of k and v only (static; a KV cache of which the
+            queries reach no further), or None: all S. oneDNN's products read that prefix where it lies
+            (`onednn.cache_dot`); XLA's read a copy of it.
 
     Returns:
         `[B, T, H, Dh]` in the dtype of `q`.
     """
     b, t, h, dh = q.shape
-    kv_heads, s = k.shape[1], k.shape[3]
+    kv_heads = k.shape[1]
     g = h // kv_heads
     # [B, K, G*T, Dh] x [B, K, Dh, S]: one batched matrix product per KV head, the G query heads that share it
     # stacked along the rows. Head-major operands let XLA:CPU run plain batched GEMMs, forward and backward
     # (about 2x faster than the equivalent 5-D einsum on CPU; keys as [Dh, S] halve decode attention again).
     q = q.reshape(b, t, kv_heads, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, dh)
     kernel = use_onednn and q.dtype == k.dtype == v.dtype
+    in_place = kernel and length is not None and length < k.shape[3]
+    if length is not None and not in_place:
+        k, v = k[..., :length], v[..., :length, :]
+    s = length if in_place else k.shape[3]
     q = q * jnp.asarray(dh**-0.5, q.dtype)
-    if kernel:
+    if in_place:
+        scores = onednn.cache_dot(q, k, s, True, jnp.float32)
+    elif kernel:
         scores = onednn.dot(q, k, False, jnp.float32)
     else:
         scores = jnp.matmul(q, k, preferred_element_type=jnp.float32)
@@ -118,5 +134,8 @@ def attend(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndarray, us
     # The probabilities are rounded to the compute dtype (q's) also against a wider cache (`decoder.cache_dtype`: a
     # float32 cache of bfloat16 values on a CPU), so the product equals bfloat16 operands widened by XLA:CPU.
     probs = probs.astype(v.dtype) if v.dtype == q.dtype else round_to(probs, q.dtype)
-    out = onednn.dot(probs, v, False, v.dtype) if kernel else jnp.matmul(probs, v)
+    if in_place:
+        out = onednn.cache_dot(probs, v, s, False)
+    else:
+        out = onednn.dot(probs, v, False, v.dtype) if kernel else jnp.matmul(probs, v)
     return out.reshape(b, kv_heads, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)

@@ -538,10 +538,9 @@ def forward(
         ck = write_cache(ck, k, write_idx, keys=True, config=config, layer=layer)
         cv = write_cache(cv, v, write_idx, keys=False, config=config, layer=layer)
         keys, values = ck[at], cv[at]
-        if attend_len is not None and attend_len < cache_len:
-            keys, values = keys[..., :attend_len], values[..., :attend_len, :]
-        mask = cache_mask(positions, keys.shape[-1], window)
-        return attend(q, keys, values, mask, mm), (ck, cv)
+        length = attend_len if attend_len is not None and attend_len < cache_len else None
+        mask = cache_mask(positions, length or cache_len, window)
+        return attend(q, keys, values, mask, mm, length), (ck, cv)
 
     if grad_sink is not None:
         x = _layers_into_sink(block, packed_attention, x, raw_layers, grad_sink, config, dtype, keep_kernels)
