@@ -8,8 +8,8 @@ The design follows JetStream (Google's JAX inference engine) and the continuous 
   - a prompt is prefilled once (padded to a power-of-two bucket) and its KV is inserted into as many slots as it
     has samples (`n`), when slots free up;
   - one jitted dispatch advances every live slot `decode_steps_per_dispatch` tokens (`lax.scan`), attending
-    only to the power-of-two prefix of the cache that the live sequences reach (with oneDNN's decode products on a
-    CPU, read where it lies in the cache: `onednn.cache_dot`);
+    only to the power-of-two prefix of the cache that the live sequences reach (with oneDNN's float32 decode products
+    on a CPU, read where it lies in the cache: `onednn.cache_dot`);
   - between dispatches the host collects the new tokens, checks stop strings, and refills every finished slot
     with the next waiting sequence at once (continuous refill), instead of waiting for the whole batch;
   - once no sequence waits and the longest live one may run two more dispatches, the live slots are gathered into a

@@ -99,8 +99,10 @@ def attend(
             float32 as XLA's do (bfloat16 on the CPU's bf16 instructions instead of XLA:CPU's float32 rate). A wider
             cache than q keeps XLA.
         length: attend to the first `length` of the S positions of k and v only (static; a KV cache of which the
-            queries reach no further), or None: all S. oneDNN's products read that prefix where it lies
-            (`onednn.cache_dot`); XLA's read a copy of it.
+            queries reach no further), or None: all S. oneDNN's float32 products read that prefix where it lies
+            (`onednn.cache_dot`); XLA's, and oneDNN's bfloat16 ones, read a copy of it. (On the AVX2 EPYC, oneDNN
+            ran the strided float32 products with the same implementation as dense ones; bfloat16 products run only on
+            CPUs with bf16 instructions, where reading them strided has not been measured.)
 
     Returns:
         `[B, T, H, Dh]` in the dtype of `q`.
@@ -113,7 +115,7 @@ def attend(
     # (about 2x faster than the equivalent 5-D einsum on CPU; keys as [Dh, S] halve decode attention again).
     q = q.reshape(b, t, kv_heads, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, dh)
     kernel = use_onednn and q.dtype == k.dtype == v.dtype
-    in_place = kernel and length is not None and length < k.shape[3]
+    in_place = kernel and q.dtype == jnp.float32 and length is not None and length < k.shape[3]
     if length is not None and not in_place:
         k, v = k[..., :length], v[..., :length, :]
     s = length if in_place else k.shape[3]
