@@ -136,6 +136,12 @@ def main():
         time_dispatches(config, layout_params, caches, batch, cache_len, args.dispatch_steps, live_len)
 
 
+def engine_attend_len(cache_len: int, live_len: int) -> int:
+    """The cache prefix the native engine attends to while its rows stay below `live_len` (its power-of-two buckets
+    from 128)."""
+    return pick_bucket(bucket_lengths(min(128, cache_len), cache_len), live_len)
+
+
 def decode_state(cache, positions: np.ndarray, cache_len: int) -> DecodeState:
     """A decode state of `len(positions)` active rows at `positions` over `cache`, every array fresh (a dispatch
     donates, and so deletes, the state it is given)."""
@@ -155,7 +161,7 @@ def time_dispatches(config, layout_params, caches, batch, cache_len, steps, live
     """The engine's jitted decode dispatch (greedy sampling included), alternating between the stacked layout,
     the per-layer one, and the per-layer one attending to the cache prefix the rows reach (as the engine does)."""
     positions = np.linspace(0, live_len - steps, batch).astype(np.int32)
-    attend_len = pick_bucket(bucket_lengths(min(128, cache_len), cache_len), live_len)
+    attend_len = engine_attend_len(cache_len, live_len)
     dispatch = jax.jit(
         functools.partial(decode_dispatch, config=config, steps=steps, greedy=True, top_k=0, use_top_p=False),
         static_argnames="attend_len",
@@ -270,7 +276,7 @@ def time_prefix_reads(args, repeats: int = 6) -> None:
     params = unstack_layers(init_params(config, jax.random.PRNGKey(0)))
     batch, cache_len, steps = args.batch, args.cache_len, max(args.dispatch_steps, 1)
     live_len = args.live_len or cache_len // 2
-    attend_len = pick_bucket(bucket_lengths(min(128, cache_len), cache_len), live_len)
+    attend_len = engine_attend_len(cache_len, live_len)
     if attend_len >= cache_len:
         raise SystemExit(f"--live-len {live_len}: its bucket ({attend_len}) is the whole cache; nothing to slice")
     heads = (config.num_layers, batch, config.num_kv_heads)

@@ -85,8 +85,9 @@ ATEN_SOURCE = Path(__file__).with_name("aten_matmul.cc")
 LIBRARY = ONEDNN_LIBRARY
 TARGET = "feynrl_onednn_matmul"
 CACHE_WRITE_TARGET = "feynrl_cache_write"
-CACHE_MATMUL_TARGET = "feynrl_onednn_cache_matmul"
 """The library's second FFI target: a KV cache write in place (`cache_write`)."""
+CACHE_MATMUL_TARGET = "feynrl_onednn_cache_matmul"
+"""The library's third FFI target: a product with the first positions of a KV cache, read in place (`cache_dot`)."""
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 """/proc/cpuinfo flags of bfloat16 matrix instructions oneDNN uses."""
 AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
@@ -621,16 +622,26 @@ def auto_applies(dtype) -> bool:
     return jax.default_backend() == "cpu" and jax.device_count() == 1 and not problem()
 
 
-def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -> jax.Array:
-    """`op(a) @ op(b)` by the FFI target; `op` transposes the last two axes when its flag is set. Leading axes (the
-    same for both operands) are batch axes: folded into one for the kernel's batched product."""
+def _require_kernel() -> None:
+    """Raises RuntimeError (why the library cannot run) where it does not load."""
     loaded, why = _load()
     if not loaded:
         raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
+
+
+def _check_result_dtype(name: str, operands, result) -> None:
+    """Raises ValueError where float32 operands would give a result other than float32 (the kernel's rule)."""
+    if operands == jnp.float32 and jnp.dtype(result) != jnp.float32:
+        raise ValueError(f"{name}: float32 operands give a float32 result, not {jnp.dtype(result).name}")
+
+
+def _call(a: jax.Array, b: jax.Array, trans_a: bool, trans_b: bool, out_dtype) -> jax.Array:
+    """`op(a) @ op(b)` by the FFI target; `op` transposes the last two axes when its flag is set. Leading axes (the
+    same for both operands) are batch axes: folded into one for the kernel's batched product."""
+    _require_kernel()
     if a.ndim != b.ndim or a.ndim < 2 or a.shape[:-2] != b.shape[:-2]:
         raise ValueError(f"onednn.dot: operands {a.shape} and {b.shape} need the same batch axes before 2 matrix axes")
-    if a.dtype == jnp.float32 and jnp.dtype(out_dtype) != jnp.float32:
-        raise ValueError(f"onednn.dot: float32 operands give a float32 result, not {jnp.dtype(out_dtype).name}")
+    _check_result_dtype("onednn.dot", a.dtype, out_dtype)
     batch = a.shape[:-2]
     m = a.shape[-1] if trans_a else a.shape[-2]
     n = b.shape[-2] if trans_b else b.shape[-1]
@@ -684,9 +695,7 @@ def cache_write(
     dynamic-update-slice's whole operand to float32 and narrows it back, the whole cache at every decode step; the
     kernel copies the written positions' bits and nothing else. The result aliases `cache` (donate it, or XLA copies
     it first). No gradient (decoding only)."""
-    loaded, why = _load()
-    if not loaded:
-        raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
+    _require_kernel()
     call = jax.ffi.ffi_call(
         CACHE_WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={0: 0}
     )
@@ -707,9 +716,7 @@ def cache_dot(a: jax.Array, cache: jax.Array, length: int, keys: bool, out_dtype
     products (batch and KV head). `a` and `cache` share one dtype (bfloat16 or float32), `out_dtype` as in `dot`. No
     gradient (decoding only).
     """
-    loaded, why = _load()
-    if not loaded:
-        raise RuntimeError(f"feynrl_jax.kernels.onednn: {why}")
+    _require_kernel()
     out_dtype = a.dtype if out_dtype is None else jnp.dtype(out_dtype)
     rows, cols = cache.shape[-2:]
     used = (rows, length) if keys else (length, cols)
@@ -721,8 +728,7 @@ def cache_dot(a: jax.Array, cache: jax.Array, length: int, keys: bool, out_dtype
         or not 0 < length <= (cols if keys else rows)
     ):
         raise ValueError(f"onednn.cache_dot: {a.shape} @ the first {length} positions of the cache {cache.shape}")
-    if a.dtype == jnp.float32 and out_dtype != jnp.float32:
-        raise ValueError(f"onednn.cache_dot: float32 operands give a float32 result, not {out_dtype.name}")
+    _check_result_dtype("onednn.cache_dot", a.dtype, out_dtype)
     batch, m = a.shape[:-2], a.shape[-2]
     a, cache = a.reshape(math.prod(batch), *a.shape[-2:]), cache.reshape(math.prod(batch), rows, cols)
     out = jax.ShapeDtypeStruct((a.shape[0], m, used[1]), out_dtype)
