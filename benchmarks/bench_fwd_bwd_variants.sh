@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 run="${PYTHON:-python} benchmarks/bench_model_fwd_bwd.py --precision bfloat16 --steps ${STEPS:-6} --backends onednn"
-echo "== remat auto (full on a CPU), scanned layers, with PyTorch"; $run
+echo "== remat auto (full on a CPU in bf16), scanned layers, with PyTorch"; $run
 echo "== remat none"; $run --remat none --skip-torch
 echo "== remat dots"; $run --remat dots --skip-torch
 echo "== unrolled layers, remat auto"; $run --unrolled --skip-torch

@@ -2,13 +2,13 @@
 (`grad_sink`, `models.forward`: what a run's step does) against one whose model returns them as a stack of their
 own, added to the accumulator afterwards, side by side in one process.
 
-The step is the GRPO step of the runs (`make_train_step` on the GRPO loss, `model_logprob_fn`,
-`check_updated=False`) or, with `--model critic`, PPO's critic step (`make_critic_train_step`: the value loss over
-`critic_values`, whose backbone's layers sink), on a SmolLM2-135M-shaped model with random weights,
-`model.remat="full"` (what "auto" picks on a CPU), shaped like the GRPO benchmark's update at 64 new tokens
-(`bench_grpo_vs_trl.py --max-new-tokens 64`): `--micro` micro-batches of one row of 64 prompt + 8 x 64 completion
-columns in the trainer's shared-prefix layout (`testing.batches.shared_prefix_batch`). The other variant's
-`predict` is the same function without the `layer_sink` mark, so the step accumulates as it did before the sink.
+The step is the GRPO step of the runs (`make_train_step` on the GRPO loss, `model_logprob_fn`, `check_updated=False`)
+or, with `--model critic`, PPO's critic step (`make_critic_train_step`: the value loss over `critic_values`, whose
+backbone's layers sink), on a SmolLM2-135M-shaped model with random weights, `model.remat="full"` (the policy a sink
+needs; "auto" on a CPU in bfloat16, and in float32 until 2026-12-08), shaped like the GRPO benchmark's update at 64 new
+tokens (`bench_grpo_vs_trl.py --max-new-tokens 64`): `--micro` micro-batches of one row of 64 prompt + 8 x 64 completion
+columns in the trainer's shared-prefix layout (`testing.batches.shared_prefix_batch`). The other variant's `predict` is
+the same function without the `layer_sink` mark, so the step accumulates as it did before the sink.
 
 `--blocks`: the model runs attention in blocks and scores the completion columns only, as the runs' trainer predicts
 on this layout (without it, dense attention over the row). `--also-remat dots,none` (policy model): one more

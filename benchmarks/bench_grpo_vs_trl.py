@@ -15,6 +15,8 @@ Usage:
     python benchmarks/bench_grpo_vs_trl.py --precision bfloat16   # ours: bf16 weights/compute, f32 masters;
                                                                   # TRL: bf16=True (autocast)
     python benchmarks/bench_grpo_vs_trl.py --remat full      # ours: model.remat="full"
+    python benchmarks/bench_grpo_vs_trl.py --also-remat full # ours twice, the second with model.remat="full",
+                                                             # then TRL (the remat policies side by side)
     python benchmarks/bench_grpo_vs_trl.py --colocate        # ours: rollout.colocate=True (the engine in the
                                                              # trainer's process, as TRL's generation is)
     python benchmarks/bench_grpo_vs_trl.py --which placement # ours twice: a rollout worker, then colocated
@@ -67,12 +69,14 @@ def prompts_for(args) -> list[dict]:
 def run_ours(args) -> dict:
     """The feynrl-jax side: `rl_loop.run` on a config with the benchmark's settings."""
     from feynrl_jax.config.base import add_data_source, base_config, data_source
+    from feynrl_jax.models.config import ModelConfig
     from feynrl_jax.orchestration import rl_loop
     from feynrl_jax.tracking import read_metrics
 
     config = base_config()
     config.paradigm, config.name = "rl", "bench_grpo"
-    config.run_dir = os.path.join(args.workdir, "ours_colocated" if args.colocate else "ours")
+    # One folder per placement and policy: with --also-remat two runs of ours share the workdir.
+    config.run_dir = os.path.join(args.workdir, ("ours_colocated" if args.colocate else "ours") + f"_{args.remat}")
     config.model.gguf = "smollm2"
     size = args.steps * args.prompts
     add_data_source(config, "arith", data_source("reasoning_gym", task=TASK, size=size, seed=0, options=TASK_OPTIONS))
@@ -117,6 +121,8 @@ def run_ours(args) -> dict:
         "micro_batches": records[-1].get("train/micro_batches"),
         "micro_batches_run": records[-1].get("train/micro_batches_run"),
         "pack_fill": records[-1].get("train/pack_fill"),
+        # The policy "auto" resolved to on this backend and compute dtype (ModelConfig.resolved_remat).
+        "remat": ModelConfig(remat=args.remat, compute_dtype=config.model.compute_dtype).resolved_remat(),
     }
 
 
@@ -270,6 +276,12 @@ def main() -> None:
     parser.add_argument("--remat", choices=("auto", "none", "dots", "full"), default="auto", help="ours: model.remat")
     parser.add_argument("--colocate", action="store_true", help="ours: rollout.colocate=True")
     parser.add_argument(
+        "--also-remat",
+        choices=("auto", "none", "dots", "full"),
+        default=None,
+        help="with --which both: ours again with this model.remat, between ours and TRL",
+    )
+    parser.add_argument(
         "--which",
         choices=("both", "ours", "trl", "placement"),
         default="both",
@@ -291,18 +303,22 @@ def main() -> None:
 def compare(args, workdir: str) -> None:
     """Runs the sides `--which` names, each in its own subprocess, and prints each one's line and the summary."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", JAX_PLATFORMS="cpu", RAY_AUTH_MODE="disabled")
-    # (label, subprocess role, ours colocated)
+    # (label, subprocess role, ours colocated, ours' remat)
     sides = {
-        "both": [("ours", "ours", args.colocate), ("trl", "trl", False)],
-        "ours": [("ours", "ours", args.colocate)],
-        "trl": [("trl", "trl", False)],
-        "placement": [("ours_workers", "ours", False), ("ours_colocated", "ours", True)],
+        "both": [("ours", "ours", args.colocate, args.remat), ("trl", "trl", False, args.remat)],
+        "ours": [("ours", "ours", args.colocate, args.remat)],
+        "trl": [("trl", "trl", False, args.remat)],
+        "placement": [("ours_workers", "ours", False, args.remat), ("ours_colocated", "ours", True, args.remat)],
     }[args.which]
+    if args.also_remat is not None:
+        if args.which != "both":
+            raise SystemExit("--also-remat compares ours under two remat policies beside TRL: use it with --which both")
+        sides.insert(1, (f"ours_{args.also_remat}", "ours", args.colocate, args.also_remat))
     results = {}
-    for side, role, colocate in sides:
+    for side, role, colocate, remat in sides:
         command = [sys.executable, __file__, "--side", role, "--workdir", workdir]
         command += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
-        command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr), "--remat", args.remat]
+        command += ["--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr), "--remat", remat]
         command += ["--precision", args.precision] + (["--colocate"] if colocate else [])
         out, peak_gib, peak_pss_gib = run_side(command, env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -329,23 +345,31 @@ def compare(args, workdir: str) -> None:
             ),
             flush=True,
         )
-    elif len(results) == 2:
-        ratio = results["trl"]["seconds_per_step"] / results["ours"]["seconds_per_step"]
-        print(
-            json.dumps(
-                {
-                    "settings": vars(args),
-                    "ours_seconds_per_step": results["ours"]["seconds_per_step"],
-                    "trl_seconds_per_step": results["trl"]["seconds_per_step"],
-                    "speedup_vs_trl": ratio,
-                    "ours_peak_rss_gib": results["ours"]["peak_rss_gib"],
-                    "trl_peak_rss_gib": results["trl"]["peak_rss_gib"],
-                    "ours_peak_pss_gib": results["ours"]["peak_pss_gib"],
-                    "trl_peak_pss_gib": results["trl"]["peak_pss_gib"],
-                }
-            ),
-            flush=True,
-        )
+    elif args.which == "both":
+        ours, trl = results["ours"], results["trl"]
+        summary = {
+            "settings": vars(args),
+            "ours_seconds_per_step": ours["seconds_per_step"],
+            "trl_seconds_per_step": trl["seconds_per_step"],
+            "speedup_vs_trl": trl["seconds_per_step"] / ours["seconds_per_step"],
+            "ours_peak_rss_gib": ours["peak_rss_gib"],
+            "trl_peak_rss_gib": trl["peak_rss_gib"],
+            "ours_peak_pss_gib": ours["peak_pss_gib"],
+            "trl_peak_pss_gib": trl["peak_pss_gib"],
+        }
+        if args.also_remat is not None:
+            other = results[f"ours_{args.also_remat}"]
+            summary |= {
+                f"ours_{args.also_remat}_seconds_per_step": other["seconds_per_step"],
+                f"ours_{args.also_remat}_speedup_vs_trl": trl["seconds_per_step"] / other["seconds_per_step"],
+                # > 1: ours with --remat (the default "auto") is faster than ours with --also-remat
+                "remat_speedup": other["seconds_per_step"] / ours["seconds_per_step"],
+                "remat_update_speedup": other["time_split_seconds"]["train_update"]
+                / ours["time_split_seconds"]["train_update"],
+                f"ours_{args.also_remat}_peak_rss_gib": other["peak_rss_gib"],
+                f"ours_{args.also_remat}_peak_pss_gib": other["peak_pss_gib"],
+            }
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Memory and time of the RL update's forward and backward pass with logit chunks capped by token slots, against
 chunks of all rows by columns alone (the layout before the cap), side by side in one process.
 
-The pass is the one an RL update runs (`models.sequence_logprobs` with `first_column` at the prompts' width, so
-only completions are scored, `model.remat="full"` as "auto" picks on a CPU) on a SmolLM2-135M-shaped model with
-random weights: `--rows` rows of `--prompt` prompt and `--widths` completion columns. The two layouts:
+The pass is the one an RL update runs (`models.sequence_logprobs` with `first_column` at the prompts' width, so only
+completions are scored, `model.remat="full"`, what "auto" picked on a CPU in float32 until 2026-12-08) on a
+SmolLM2-135M-shaped model with random weights: `--rows` rows of `--prompt` prompt and `--widths` completion columns. The
+two layouts:
 
 - "columns": chunks of all rows and at most 256 columns (`chunk_tokens` unbounded);
 - "capped": chunks of at most `models.logprobs.CHUNK_TOKENS` token slots (the default), at most 256 columns.

@@ -3,9 +3,9 @@ runs build on `make_optimizer`'s AdamW) against one that tests the updated param
 keeping them (`check_updated=True`, the default for any other optax optimizer), side by side in one process.
 
 The step is `make_algorithm_train_step`'s GRPO step on a SmolLM2-135M-shaped model with random weights, float32,
-`model.remat="full"` (what "auto" picks on a CPU), shaped like the GRPO benchmark's update at 64 new tokens
-(`bench_grpo_vs_trl.py --max-new-tokens 64`): `--micro` micro-batches of one row of 64 prompt + 8 x 64 completion
-columns (the trainer's shared-prefix layout, `train.shared_prefix`: one row per group).
+`model.remat="full"` (what "auto" picked on a CPU in float32 until 2026-12-08; "dots" since), shaped like the GRPO
+benchmark's update at 64 new tokens (`bench_grpo_vs_trl.py --max-new-tokens 64`): `--micro` micro-batches of one row of
+64 prompt + 8 x 64 completion columns (the trainer's shared-prefix layout, `train.shared_prefix`: one row per group).
 
 For each variant it prints the temporary buffers XLA plans for the compiled step
 (`memory_analysis().temp_size_in_bytes`: what a step holds beside its params and optimizer state, which are donated

@@ -70,7 +70,7 @@ def get_config(arg=None):
     config.train.global_batch_size = 32  # 4 prompts x 8 samples.
     # One micro-batch and no recomputation: the update holds 4 group rows of 64 + 8 x 16 tokens, a few hundred MB of
     # activations, so splitting it or recomputing layers only costs time (1.37x faster update than 4 micro-batches
-    # with full recomputation, the CPU default: 6.3 against 8.6 s, steps 3-6 of the demo on the 2-core machine).
+    # with full recomputation, then the CPU default: 6.3 against 8.6 s, steps 3-6 of the demo on the 2-core machine).
     config.train.micro_batch_size = 32
     config.model.remat = "none"
     config.train.eval_every = 6

@@ -724,7 +724,7 @@ _ONE_DEVICE = textwrap.dedent(
     out["bf16_here"] = onednn.bf16_products_here()
     runs = [("bfloat16", "xla", "none"), ("bfloat16", "onednn", "none"), ("bfloat16", "onednn", "full"),
             ("bfloat16", "onednn", "dots")] * out["bf16_here"]
-    runs += [("float32", "xla", "none"), ("float32", "onednn", "none")]
+    runs += [("float32", "xla", "none"), ("float32", "onednn", "none"), ("float32", "onednn", "dots")]
     for dtype, backend, remat in runs:
         config = dataclasses.replace(base, compute_dtype=dtype, cpu_matmul=backend, remat=remat)
         text = jax.jit(lambda p: sequence_logprobs(p, tokens, positions, config=config)[0]).lower(params).as_text()
@@ -917,7 +917,7 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
     assert result["auto"] == (bool(result["units"]) and result["choice"]["onednn"])
     assert ("matrix products by oneDNN" in result["log"]) == result["auto"]
     assert ("x XLA's speed here" in result["log"]) == bool(result["units"])
-    assert result["auto_remat"] == "full"
+    assert result["auto_remat"] == "dots"  # float32 on a CPU (ModelConfig.resolved_remat)
     # float32 follows its own measurement, whatever the CPU's bf16 instructions.
     assert result["auto_f32"] == result["choice_f32"]["onednn"]
     assert ("matrix products by oneDNN" in result["log_f32"]) == result["auto_f32"]
@@ -938,6 +938,12 @@ def test_model_in_one_device_process_uses_the_kernel_and_matches_float64(kernel,
     assert result["xla-float32"]["calls"] == 0 and result["onednn-float32"]["calls"] == 10
     for key in ("loss_error", "grad_error"):
         assert result["onednn-float32"][key] <= 2 * result["xla-float32"][key] + 384 * U_F32, result
+    # "dots", float32's "auto" on a CPU: oneDNN's products are kept by name, so the backward pass recomputes only
+    # attention's two batched products (in the scanned layer's body, once in the program), with the same bound.
+    dots = result["onednn-dots-float32"]
+    assert dots["calls"] == 10 and dots["grad_calls"] == result["onednn-float32"]["grad_calls"] + 2, result
+    for key in ("loss_error", "grad_error"):
+        assert dots[key] <= 2 * result["xla-float32"][key] + 384 * U_F32, result
     # The bfloat16 runs below need the kernel's bf16 products (test_an_avx2_cpu_gets_no_bf16_products).
     if not BF16_HERE:
         return

@@ -272,20 +272,26 @@ def test_budget_refuses_what_cannot_fit_naming_the_key():
         _choose(200.0, micro_batch_tokens=100)
     with pytest.raises(ValueError, match="data.max_seq_len.*or set model.remat='full'"):
         _choose(1.0)
-    # Where the model already recomputes every layer ("auto" on a CPU), remat is not suggested.
-    recomputing = dataclasses.replace(SMOL, remat="auto")
-    with pytest.raises(ValueError, match="data.max_seq_len") as refused:
-        args = dict(micro_batch_size=0, micro_batch_tokens=0, seq_len=192, group_size=8, shards=1)
-        rl_micro_batch(PLAN, recomputing, **args, shared_width=64 + 8 * 128, free=(int(0.1 * GIB), 0.4))
-    assert "model.remat" not in str(refused.value)
+    args = dict(micro_batch_size=0, micro_batch_tokens=0, seq_len=192, group_size=8, shards=1)
+    # Where the model already recomputes every layer ("auto" on a CPU in bfloat16), remat is not suggested; "auto" in
+    # float32 keeps the projections' outputs ("dots"), and "full" is suggested there.
+    for model, suggested in (
+        (dataclasses.replace(SMOL, remat="full"), False),
+        (dataclasses.replace(SMOL, remat="auto", compute_dtype="bfloat16"), False),
+        (dataclasses.replace(SMOL, remat="auto"), True),
+    ):
+        with pytest.raises(ValueError, match="data.max_seq_len") as refused:
+            rl_micro_batch(PLAN, model, **args, shared_width=64 + 8 * 128, free=(int(0.1 * GIB), 0.4))
+        assert ("or set model.remat='full'" in str(refused.value)) == suggested, (model.remat, model.compute_dtype)
 
 
-@pytest.mark.parametrize("remat, width", [("none", 128), ("full", 128), ("full", 256)])
+@pytest.mark.parametrize("remat, width", [("none", 128), ("full", 128), ("full", 256), ("dots", 128)])
 def test_activation_estimate_follows_xla(remat, width):
     """The estimate against XLA's own `memory_analysis()` of the train step: the growth of its temporary buffers
     from 2 to 6 rows (the layers' activations and the chunk of logits), per added token, within a factor of 2 (the
     constants were fitted on SmolLM2-135M; this checks that they carry to another shape, not a tuned value). At 256
-    columns the 6 rows pass the chunk's cap of token slots: their chunk holds 170 columns, not all 255."""
+    columns the 6 rows pass the chunk's cap of token slots: their chunk holds 170 columns, not all 255. "dots" is
+    what "auto" picks on a CPU in float32."""
     config = dataclasses.replace(TINY, num_layers=4, intermediate_size=256, vocab_size=512, remat=remat)
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     optimizer, _ = make_optimizer(1e-3, warmup_steps=0, total_steps=10, schedule="constant")

@@ -38,7 +38,7 @@ CASES = {
         {"train.shared_prefix": "on", "train.pack_sequences": False, "train.micro_batch_size": 16},
         (True, False),
     ),
-    # Rematerialisation "full" (the CPU default; the tiny model's is "none"): 2 micro-batches whose layers'
+    # Rematerialisation "full" (the CPU default in bfloat16; the tiny model's is "none"): 2 micro-batches whose layers'
     # gradient the model adds into the accumulator in place (`grad_sink`).
     "grpo_packed": (
         "grpo",

@@ -332,7 +332,10 @@ def test_remat_policy_reaches_the_model():
     assert remat_policies("none") == set()
     assert remat_policies("dots") == {"DotsSaveable(only_if_no_batch_dims=True)"}
     assert remat_policies("full")  # nothing_saveable
-    assert remat_policies("auto") == remat_policies("full")  # "auto" on a CPU
+    # "auto" on a CPU: "dots" in float32, "full" in bfloat16 (`ModelConfig.resolved_remat`).
+    assert remat_policies("auto") == remat_policies("dots")
+    bf16 = dataclasses.replace(CONFIG, compute_dtype="bfloat16", remat="auto")
+    assert bf16.resolved_remat() == "full" and dataclasses.replace(CONFIG, remat="auto").resolved_remat() == "dots"
 
 
 def test_params_spec_of_a_model_and_a_step_needs_its_parts():

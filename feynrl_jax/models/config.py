@@ -65,8 +65,8 @@ class ModelConfig:
         param_dtype: dtype the parameters are stored in ("float32", "bfloat16", "float16").
         compute_dtype: dtype of activations and matmuls; logits and log-probabilities are always float32.
         remat: default rematerialisation policy of `forward`: "none", "full" (recompute every layer in the
-            backward pass), "dots" (keep matmul outputs, recompute the rest) or "auto" ("full" when JAX runs on a
-            CPU, "none" elsewhere; `resolved_remat`).
+            backward pass), "dots" (keep matmul outputs, recompute the rest) or "auto" (on a CPU "dots" in float32
+            and "full" in narrower dtypes; "none" elsewhere; `resolved_remat`).
         cpu_matmul: backend of the projections', attention's and output projection's products (bfloat16 or float32)
             on a CPU: "xla", "onednn" or "auto" (`feynrl_jax.kernels.onednn`). Runs set it from `model.cpu_matmul`
             ("auto"). Where a bfloat16 model's decode products run on oneDNN, its KV cache is bfloat16 (the kernel
@@ -114,18 +114,27 @@ class ModelConfig:
     base_quantization: str | None = None
 
     def resolved_remat(self, remat: str | None = None) -> str:
-        """The policy a pass runs with: `remat` (None: `self.remat`), "auto" resolved for the backend JAX runs on.
+        """The policy a pass runs with: `remat` (None: `self.remat`), "auto" resolved for the backend JAX runs on
+        and the compute dtype.
 
-        "auto" is "full" on a CPU: measured on SmolLM2-135M (8x256 tokens, 2-core EPYC), full rematerialisation
-        is as fast as none in float32 and 1.4x faster in bfloat16 (XLA:CPU widens every bfloat16 residual it
-        stacks across the layer scan to float32 and back, whole stack per layer), with a fraction of the memory.
-        On accelerators it is "none": recomputation costs a third more FLOPs there."""
+        "auto" on a CPU is "dots" in float32: the backward pass keeps the layers' projection outputs and recomputes
+        only what lies between them (norms, RoPE, attention, the MLP's activation), so it skips recomputing the
+        projections, about a quarter of the update's products. Measured on the 2-core AVX2 EPYC with SmolLM2-135M's
+        shapes: the GRPO update 1.17x and 1.21x faster than "full" in two runs (`benchmarks/bench_grad_sink.py
+        --blocks --also-remat dots`), the runs' trainer at 128 new tokens 1.19x (`benchmarks/bench_rl_update.py
+        --also-remat dots`), at 1.84x XLA's temporaries, which the RL micro-batches' memory budget counts
+        (`train.token_budget`). In bfloat16 it is "full": XLA:CPU widens every bfloat16 residual it stacks across
+        the layer scan to float32 and back, whole stack per layer, so keeping residuals costs more than
+        recomputing them (full 1.4x faster than none on the AVX-512 EPYC, 8x256 tokens). On accelerators it is
+        "none": recomputation costs a third more FLOPs there and memory is rarely what limits a step."""
         policy = self.remat if remat is None else remat
         if policy != "auto":
             return policy
         import jax  # the config module itself stays importable without JAX
 
-        return "full" if jax.default_backend() == "cpu" else "none"
+        if jax.default_backend() != "cpu":
+            return "none"
+        return "dots" if self.compute_dtype == "float32" else "full"
 
     def __post_init__(self):
         def fail(key, message):
