@@ -22,7 +22,9 @@ Usage:
     python benchmarks/bench_grpo_vs_trl.py --which placement # ours twice: a rollout worker, then colocated
 
 Output: one JSON line per side and a summary line with the ratio `trl_seconds_per_step / ours_seconds_per_step`
-and each side's peak memory (`run_side`: summed over the side's process tree, Ray's processes included; as
+(with `--also-remat P` also `ours_P_seconds_per_step`, `ours_P_speedup_vs_trl`, and `remat_speedup` /
+`remat_update_speedup`: ours under P over ours under `--remat`, per step and per update, above 1 where `--remat` is
+faster) and each side's peak memory (`run_side`: summed over the side's process tree, Ray's processes included; as
 resident memory, which counts a page shared between processes in each, and as PSS, which counts it once).
 """
 
@@ -296,6 +298,11 @@ def main() -> None:
         result = run_ours(args) if args.side == "ours" else run_trl(args)
         print("RESULT " + json.dumps(summarise(args.side, result)), flush=True)
         return
+    if args.also_remat is not None:
+        if args.which != "both":
+            raise SystemExit("--also-remat compares ours under two remat policies beside TRL: use it with --which both")
+        if args.also_remat == args.remat:
+            raise SystemExit(f"--also-remat {args.also_remat} is --remat already: name another policy")
     with scratch_folder(args.workdir, prefix="bench_grpo_") as workdir:
         compare(args, workdir)
 
@@ -310,9 +317,7 @@ def compare(args, workdir: str) -> None:
         "trl": [("trl", "trl", False, args.remat)],
         "placement": [("ours_workers", "ours", False, args.remat), ("ours_colocated", "ours", True, args.remat)],
     }[args.which]
-    if args.also_remat is not None:
-        if args.which != "both":
-            raise SystemExit("--also-remat compares ours under two remat policies beside TRL: use it with --which both")
+    if args.also_remat is not None:  # (checked in main)
         sides.insert(1, (f"ours_{args.also_remat}", "ours", args.colocate, args.also_remat))
     results = {}
     for side, role, colocate, remat in sides:

@@ -17,9 +17,10 @@ Each reports real tokens (prompt + completion of every sample) per second of its
 `rl_packed >= 0.9 x plain`. The first step of each side compiles and is left out; the median of the others counts.
 
 `--also-remat dots,none` runs `rl_packed` again under each of those `model.remat` policies (`rl_packed_dots`, ...),
-after the other sides, and reports each one's speed against `rl_packed`'s (`speedup_<policy>_vs_remat`): on a CPU
-"auto" is "full", whose update adds each layer's gradient into its accumulator in place (`models.forward`'s
-`grad_sink`); the others keep more of the forward pass and take the layers' gradient as a stack of its own.
+after the other sides, and reports each one's speed against `rl_packed`'s (`speedup_<policy>_vs_remat`). With
+`--remat full` (in float32 "auto" is "dots" on a CPU since 2026-12-08) `rl_packed`'s update adds each layer's gradient
+into its accumulator in place (`models.forward`'s `grad_sink`); the others keep more of the forward pass and take
+the layers' gradient as a stack of its own.
 `--kl-coef 0` drops the KL term and its reference model's pass, as `bench_grpo_vs_trl.py` runs GRPO.
 
 Usage:

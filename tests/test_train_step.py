@@ -336,6 +336,10 @@ def test_remat_policy_reaches_the_model():
     assert remat_policies("auto") == remat_policies("dots")
     bf16 = dataclasses.replace(CONFIG, compute_dtype="bfloat16", remat="auto")
     assert bf16.resolved_remat() == "full" and dataclasses.replace(CONFIG, remat="auto").resolved_remat() == "dots"
+    # LoRA keeps "full": "dots" would keep a projection's base and adapter outputs, which the memory budget does not
+    # count.
+    lora = dataclasses.replace(CONFIG, remat="auto", lora_rank=4, lora_targets=("q_proj",))
+    assert lora.resolved_remat() == "full"
 
 
 def test_params_spec_of_a_model_and_a_step_needs_its_parts():

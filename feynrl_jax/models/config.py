@@ -66,7 +66,7 @@ class ModelConfig:
         compute_dtype: dtype of activations and matmuls; logits and log-probabilities are always float32.
         remat: default rematerialisation policy of `forward`: "none", "full" (recompute every layer in the
             backward pass), "dots" (keep matmul outputs, recompute the rest) or "auto" (on a CPU "dots" in float32
-            and "full" in narrower dtypes; "none" elsewhere; `resolved_remat`).
+            without LoRA, else "full"; "none" elsewhere; `resolved_remat`).
         cpu_matmul: backend of the projections', attention's and output projection's products (bfloat16 or float32)
             on a CPU: "xla", "onednn" or "auto" (`feynrl_jax.kernels.onednn`). Runs set it from `model.cpu_matmul`
             ("auto"). Where a bfloat16 model's decode products run on oneDNN, its KV cache is bfloat16 (the kernel
@@ -117,16 +117,21 @@ class ModelConfig:
         """The policy a pass runs with: `remat` (None: `self.remat`), "auto" resolved for the backend JAX runs on
         and the compute dtype.
 
-        "auto" on a CPU is "dots" in float32: the backward pass keeps the layers' projection outputs and recomputes
-        only what lies between them (norms, RoPE, attention, the MLP's activation), so it skips recomputing the
-        projections, about a quarter of the update's products. Measured on the 2-core AVX2 EPYC with SmolLM2-135M's
-        shapes: the GRPO update 1.17x and 1.21x faster than "full" in two runs (`benchmarks/bench_grad_sink.py
-        --blocks --also-remat dots`), the runs' trainer at 128 new tokens 1.19x (`benchmarks/bench_rl_update.py
-        --also-remat dots`), at 1.84x XLA's temporaries, which the RL micro-batches' memory budget counts
-        (`train.token_budget`). In bfloat16 it is "full": XLA:CPU widens every bfloat16 residual it stacks across
-        the layer scan to float32 and back, whole stack per layer, so keeping residuals costs more than
-        recomputing them (full 1.4x faster than none on the AVX-512 EPYC, 8x256 tokens). On accelerators it is
-        "none": recomputation costs a third more FLOPs there and memory is rarely what limits a step."""
+        "auto" on a CPU is "dots" in float32 without LoRA: the backward pass keeps the layers' projection outputs and
+        recomputes only what lies between them (norms, RoPE, attention, the MLP's activation), so it skips
+        recomputing the projections, about a quarter of an update's products. Measured on the 2-core AVX2 EPYC with
+        SmolLM2-135M's shapes against "full": the GRPO update 1.14x and 1.17x faster in two runs
+        (`benchmarks/bench_grad_sink.py --blocks --also-remat dots`), the runs' trainer at 128 new tokens 1.19x
+        (`benchmarks/bench_rl_update.py --remat full --also-remat dots`), the colocated GRPO step 1.12x
+        (`benchmarks/bench_grpo_vs_trl.py --colocate --also-remat full`), at 1.84x XLA's temporaries, which the RL
+        micro-batches' memory budget counts (`train.token_budget`). SFT and DPO steps run the same forward and
+        backward passes and take it too (not measured there; their micro-batches are the config's). With LoRA it
+        is "full", as before: a projection's base and adapter outputs would both be kept, which the budget's
+        estimate does not count, and "dots" was measured on full fine-tuning only. In bfloat16 it is "full":
+        XLA:CPU widens every bfloat16 residual it stacks across the layer scan to float32 and back, whole stack per
+        layer, so keeping residuals costs more than recomputing them (full 1.4x faster than none on the AVX-512
+        EPYC, 8x256 tokens). On accelerators it is "none": recomputation costs a third more FLOPs there and memory
+        is rarely what limits a step."""
         policy = self.remat if remat is None else remat
         if policy != "auto":
             return policy
@@ -134,7 +139,7 @@ class ModelConfig:
 
         if jax.default_backend() != "cpu":
             return "none"
-        return "dots" if self.compute_dtype == "float32" else "full"
+        return "dots" if self.compute_dtype == "float32" and not self.lora_rank else "full"
 
     def __post_init__(self):
         def fail(key, message):

@@ -567,7 +567,7 @@ def sinks_layer_grads(config: ModelConfig, remat: str | None = None) -> bool:
     """Whether `forward` can add the layers' gradient into an accumulator in place (`grad_sink`) for `config`.
 
     The sink's backward pass recomputes each layer from its input, as rematerialisation policy "full" does, so it
-    serves passes that run with that policy (the default on a CPU, `ModelConfig.resolved_remat`); LoRA passes
+    serves passes that run with that policy (the CPU's default in bfloat16, `ModelConfig.resolved_remat`); LoRA passes
     train the adapters alone, whose gradients are small, and take the ordinary path.
     """
     return config.resolved_remat(remat) == "full" and not config.lora_rank

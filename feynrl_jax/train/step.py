@@ -14,11 +14,11 @@ bfloat16 forward pass is applied to the float32 masters, so updates smaller than
 1. the batch ``[B, T]`` is dealt into ``grad_accum`` micro-batches (``microbatch.split_microbatches``);
 2. ``lax.scan`` over them runs ``predict`` (cast to float32), calls the loss (with ``entropy=`` when predict
    returned one), and accumulates the gradient of the loss's ``total`` together with its ``denom``. Where
-   ``predict`` takes a sink (``model_logprob_fn`` under rematerialisation "full", the default on a CPU, computing in
-   float32) and every param trains in float32, the model adds the layers' gradient into the accumulator in place
-   during its backward pass (``models.forward``'s ``grad_sink``), as PyTorch adds into ``.grad``: no second buffer
-   of the layers' size (a SmolLM2-135M GRPO step of 4 micro-batches: 1.00 GiB of temporaries instead of 1.25,
-   ``benchmarks/bench_grad_sink.py``);
+   ``predict`` takes a sink (``model_logprob_fn`` under rematerialisation "full", the CPU's default in bfloat16;
+   float32 defaults to "dots" there, which takes none) and every param trains in float32, the model adds the layers'
+   gradient into the accumulator in place during its backward pass (``models.forward``'s ``grad_sink``), as PyTorch
+   adds into ``.grad``: no second buffer of the layers' size (a SmolLM2-135M GRPO step of 4 micro-batches: 1.00 GiB
+   of temporaries instead of 1.25, ``benchmarks/bench_grad_sink.py``);
 3. the summed gradient is divided by the summed denominator, so any number of micro-batches gives the
    gradient of one large batch (the losses return ``(total, denom)``, not means; Tunix's ``WeightedMetric``);
 4. the optimizer is applied; when the gradient norm or the loss is not finite, or (``check_updated``, the
