@@ -74,6 +74,7 @@ def run_ours(args) -> dict:
     from feynrl_jax.models.config import ModelConfig
     from feynrl_jax.orchestration import rl_loop
     from feynrl_jax.tracking import read_metrics
+    from feynrl_jax.train.run_setup import lora_fields
 
     config = base_config()
     config.paradigm, config.name = "rl", "bench_grpo"
@@ -123,8 +124,10 @@ def run_ours(args) -> dict:
         "micro_batches": records[-1].get("train/micro_batches"),
         "micro_batches_run": records[-1].get("train/micro_batches_run"),
         "pack_fill": records[-1].get("train/pack_fill"),
-        # The policy "auto" resolved to on this backend and compute dtype (ModelConfig.resolved_remat).
-        "remat": ModelConfig(remat=args.remat, compute_dtype=config.model.compute_dtype).resolved_remat(),
+        # The policy "auto" resolved to on this backend, compute dtype and LoRA keys (ModelConfig.resolved_remat).
+        "remat": ModelConfig(
+            remat=args.remat, compute_dtype=config.model.compute_dtype, **lora_fields(config.model.lora)
+        ).resolved_remat(),
     }
 
 

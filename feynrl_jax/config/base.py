@@ -48,9 +48,10 @@ def base_config() -> ConfigDict:
     # applied to the float32 masters, so steps smaller than a bfloat16 ulp are not lost). Checkpoints hold the
     # masters; rollout engines, reference and evaluation get param_dtype weights; HF export writes param_dtype.
     config.model.master_dtype = ""
-    # Rematerialisation in the backward pass: "auto" (on a CPU "dots" in float32, which skips recomputing the
-    # projections, and "full" in bfloat16, where keeping residuals is slower; "none" on accelerators;
-    # `ModelConfig.resolved_remat`) | "none" | "full" (recompute each layer) | "dots" (keep matmul outputs).
+    # Rematerialisation in the backward pass: "auto" (on a CPU "dots" in float32 without LoRA, which skips
+    # recomputing the projections, else "full", as in bfloat16, where keeping residuals is slower; "none" on
+    # accelerators; `ModelConfig.resolved_remat`) | "none" | "full" (recompute each layer) | "dots" (keep matmul
+    # outputs).
     config.model.remat = "auto"
     # The model's matrix products on a CPU (feynrl_jax/kernels/onednn.py): "auto" (oneDNN where it was measured
     # faster than XLA on this machine in the compute dtype, bfloat16 or float32, on one device, with the kernel built

@@ -208,7 +208,7 @@ def rl_micro_batch(
         return fixed + activations(d)
 
     mini = plan.mini_batch_size
-    # Suggested only where it would change something (model.remat="auto" is already "full" on a CPU in bfloat16).
+    # Suggested only where it would change something ("auto" is already "full" on a CPU in bfloat16 or with LoRA).
     remat = "" if model.resolved_remat() == "full" else ", or set model.remat='full'"
     if micro_batch_size > 0:
         need = estimate(micro_batch_size)
